@@ -1,0 +1,346 @@
+"""SBM attention (paper section 4): every head samples its own sparse graph.
+
+Per head: ``S = softmax(C C^T)`` over all ``k*k`` entries (eq. 5), memberships
+``Qhat = sigmoid(MLP(Q) C^T)`` and ``Khat = sigmoid(MLP(K) C^T)`` (eqs. 6-7), a graph
+``M ~ SBM(Qhat, S, Khat)`` drawn by fastRG (eq. 8), and softmax attention over the
+sampled edges whose scores carry the straight-through estimator of ``p`` (eq. 9).
+
+Path choice (outside any ``vmap``, one scalar for the whole batch): the Poisson draw
+counts are drawn first; the smallest capacity bucket that holds the largest count runs
+under ``lax.switch``; above the largest bucket (or where the bernoulli law's bound is
+too close to 1) the dense path runs, which samples the same law on an ``n x m`` mask.
+No edge is ever dropped unless the dense path was ruled out by ``max_dense_elements``;
+then ``overflow`` is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.attention.registry import STATS_COLLECTION, register
+from sbm_jax.edge_ops import dense_masked_attention, edge_attention
+from sbm_jax.fastrg import (
+    SamplingPlan,
+    check_law,
+    dense_probs,
+    make_plan,
+    needs_dense,
+    sample_dense_mask,
+    sample_from_plan,
+)
+from sbm_jax.ste import straight_through
+
+IMPLS = ("auto", "sparse", "dense")
+
+
+def bucket_capacities(fractions: Sequence[float], n: int, m: int) -> tuple[int, ...]:
+    """Static slot counts ``ceil(f * n * m)`` for each capacity fraction ``f``."""
+    return tuple(max(1, math.ceil(f * n * m)) for f in fractions)
+
+
+def choose_bucket(
+    counts: jax.Array, capacities: Sequence[int], force_dense: jax.Array | bool = False
+) -> jax.Array:
+    """Index of the smallest capacity that holds ``max(counts)``; ``len(capacities)``
+    (the dense path) when none does or when ``force_dense``. One scalar for the batch."""
+    caps = jnp.asarray(capacities, jnp.int32)
+    idx = jnp.sum(caps < jnp.max(counts)).astype(jnp.int32)
+    return jnp.where(force_dense, len(capacities), idx)
+
+
+def forced_edge_keys(
+    q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
+) -> jax.Array | None:
+    """Keys ``row * m + col`` of the always-present edges (``n * m`` for none).
+
+    ``window > 0`` adds every real pair with ``|i - j| <= window // 2`` (self included);
+    ``self_loops`` adds ``(i, i)`` for real tokens.
+    """
+    n, m = q_mask.shape[0], k_mask.shape[0]
+    half = window // 2 if window > 0 else (0 if self_loops else -1)
+    if half < 0:
+        return None
+    offsets = jnp.arange(-half, half + 1)
+    i = jnp.arange(n)[:, None]
+    j = i + offsets[None, :]
+    ok = (j >= 0) & (j < m) & q_mask[:, None] & k_mask[jnp.clip(j, 0, m - 1)]
+    return jnp.where(ok, i * m + j, n * m).reshape(-1).astype(jnp.int32)
+
+
+def forced_edge_mask(
+    q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
+) -> jax.Array | None:
+    """Dense ``[n, m]`` form of :func:`forced_edge_keys`."""
+    n, m = q_mask.shape[0], k_mask.shape[0]
+    half = window // 2 if window > 0 else (0 if self_loops else -1)
+    if half < 0:
+        return None
+    dist = jnp.abs(jnp.arange(n)[:, None] - jnp.arange(m)[None, :])
+    return (dist <= half) & q_mask[:, None] & k_mask[None, :]
+
+
+def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.sum(q_mask) * jnp.sum(k_mask), 1).astype(jnp.float32)
+
+
+def _sparse_head(
+    key, drop_key, plan: SamplingPlan, count, q, k, v, *, capacity, law, self_loops, window, rate
+):
+    forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
+    edges = sample_from_plan(key, plan, count, capacity=capacity, law=law, forced_keys=forced)
+    scale = straight_through(edges.probs)
+    out = edge_attention(
+        q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key
+    )
+    density = jnp.sum(jnp.where(edges.valid, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
+    return out, density, edges.num_edges, edges.overflow
+
+
+def _dense_head(key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate):
+    del count
+    p = dense_probs(plan)
+    mask = sample_dense_mask(key, p, plan.delta, plan.q_mask, plan.k_mask, law)
+    forced = forced_edge_mask(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
+    if forced is not None:
+        mask = mask | forced
+    scale = straight_through(p)
+    out = dense_masked_attention(
+        q, k, v, mask, scale=scale, dropout_rate=rate, dropout_rng=drop_key
+    )
+    density = jnp.sum(jnp.where(mask, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
+    return out, density, jnp.sum(mask).astype(jnp.int32), jnp.asarray(False)
+
+
+def _over_batch_and_heads(fn):
+    # fn(key, drop_key, plan, count, q, k, v) per (example, head); inputs carry [B, H].
+    return jax.vmap(jax.vmap(fn))
+
+
+def sbm_attention_core(
+    rng: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_memberships: jax.Array,
+    block: jax.Array,
+    k_memberships: jax.Array,
+    mask: jax.Array,
+    *,
+    delta: float | jax.Array,
+    law: str = "bernoulli",
+    capacity_buckets: Sequence[float] = (1 / 64, 1 / 16, 1 / 4),
+    impl: str = "auto",
+    self_loops: bool = False,
+    window: int = 0,
+    dense_below: int = 0,
+    max_dense_elements: int = 2**31,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Sample one graph per (example, head) and attend over it. Pure function.
+
+    Shapes: ``q, k, v [B, H, L, d]``, ``q_memberships, k_memberships [B, H, L, k]``,
+    ``block [H, k, k]``, ``mask [B, L]`` bool. Returns ``out [B, H, L, d]`` and stats:
+    ``density [B, H]`` (differentiable through the STE), ``edges [B, H]``,
+    ``overflow [B, H]``, ``path []`` (bucket index; ``len(capacity_buckets)`` = dense).
+    """
+    check_law(law)
+    batch, heads, length, _ = q.shape
+    caps = bucket_capacities(capacity_buckets, length, length)
+    dense_allowed = batch * heads * length * length <= max_dense_elements
+    if impl == "dense" and not dense_allowed:
+        raise ValueError(
+            f"impl='dense' needs batch*heads*n*m = {batch * heads * length * length} mask "
+            f"entries, over max_dense_elements={max_dense_elements}"
+        )
+
+    def plan_one(qm, blk, km, qmask, kmask):
+        return make_plan(qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law)
+
+    plans = jax.vmap(
+        jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)), in_axes=(0, None, 0, 0, 0)
+    )(q_memberships, block, k_memberships, mask, mask)
+
+    k_count, k_sample = jax.random.split(rng)
+    counts = jax.random.poisson(k_count, plans.expected_draws).astype(jnp.int32)
+    sample_keys = jax.random.split(k_sample, batch * heads).reshape(batch, heads, -1)
+    if dropout_rng is not None and dropout_rate > 0.0:
+        drop_keys = jax.random.split(dropout_rng, batch * heads).reshape(batch, heads, -1)
+        rate = dropout_rate
+    else:
+        drop_keys = sample_keys  # unused when rate == 0
+        rate = 0.0
+    common = dict(law=law, self_loops=self_loops, window=window, rate=rate)
+    operands = (sample_keys, drop_keys, plans, counts, q, k, v)
+
+    dense_fn = _over_batch_and_heads(partial(_dense_head, **common))
+    use_dense_only = impl == "dense" or (impl == "auto" and length * length <= dense_below)
+    if use_dense_only:
+        out, density, edges, overflow = dense_fn(*operands)
+        path = jnp.asarray(len(caps), jnp.int32)
+    else:
+        branches = [
+            jax.checkpoint(_over_batch_and_heads(partial(_sparse_head, capacity=c, **common)))
+            for c in caps
+        ]
+        force_dense = jnp.any(needs_dense(plans, law))
+        path = choose_bucket(counts, caps, force_dense)
+        if dense_allowed:
+            branches.append(jax.checkpoint(dense_fn))
+        else:
+            path = jnp.minimum(path, len(caps) - 1)
+        out, density, edges, overflow = jax.lax.switch(
+            path, [lambda ops, f=f: f(*ops) for f in branches], operands
+        )
+    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
+    return out, stats
+
+
+def _kaiming_normal_per_head():
+    # fan_in = head_dim for a [heads, k, head_dim] tensor (the paper's per-head C).
+    return nn.initializers.variance_scaling(
+        2.0, "fan_in", "normal", in_axis=-1, out_axis=-2, batch_axis=(0,)
+    )
+
+
+@register("sbm")
+class SBMAttention(nn.Module):
+    """Multi-head SBM attention on ``x [batch, length, dim]`` with a padding mask.
+
+    Attributes:
+      num_heads, head_dim, out_dim: head count, per-head width, output width.
+      attention_dropout: dropout on the normalised edge weights (training only).
+      dtype: compute dtype of the projections (memberships and sampling use float32).
+      num_clusters: ``k``, clusters per head (paper: 128).
+      delta: exploration probability added to every real pair, training only.
+      edge_law: ``"bernoulli"`` (the paper's model) or ``"poisson"`` (raw fastRG).
+      self_loops: add ``(i, i)`` for every real token (the "+I" variant).
+      shared_mlp: one membership MLP for all heads (reference code) instead of one per
+        head (paper).
+      capacity_buckets: sorted fractions of ``n*m`` in (0, 1]; the sparse branches.
+      impl: ``"auto"`` (buckets, dense above them and for short sequences),
+        ``"sparse"`` (buckets, dense only above them), ``"dense"`` (always dense).
+      window: if > 0, union a local window ``|i - j| <= window // 2`` with the graph.
+      dense_below: with ``impl="auto"``, sequences with ``n*m`` at or below this always
+        take the dense path (sparse bookkeeping costs more there).
+      max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
+        this; otherwise draws above the largest bucket overflow (and are recorded).
+    """
+
+    num_heads: int
+    head_dim: int
+    out_dim: int | None = None
+    attention_dropout: float = 0.0
+    dtype: Any = jnp.float32
+    num_clusters: int = 128
+    delta: float = 0.01
+    edge_law: str = "bernoulli"
+    self_loops: bool = False
+    shared_mlp: bool = False
+    capacity_buckets: tuple[float, ...] = (1 / 64, 1 / 16, 1 / 4)
+    impl: str = "auto"
+    window: int = 0
+    dense_below: int = 0
+    max_dense_elements: int = 2**31
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field; runs before anything is traced."""
+        for field in ("num_heads", "head_dim", "num_clusters"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        if self.delta < 0:
+            raise ValueError(f"delta must be >= 0, got {self.delta}")
+        check_law(self.edge_law, "edge_law")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
+        buckets = tuple(self.capacity_buckets)
+        if not buckets:
+            raise ValueError("capacity_buckets must name at least one fraction of n*m")
+        if any(not 0.0 < f <= 1.0 for f in buckets):
+            raise ValueError(f"capacity_buckets must lie in (0, 1], got {buckets}")
+        if any(b <= a for a, b in zip(buckets, buckets[1:], strict=False)):
+            raise ValueError(f"capacity_buckets must be strictly increasing, got {buckets}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must lie in [0, 1), got {self.attention_dropout}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True
+    ) -> jax.Array:
+        self.validate()
+        if x.ndim != 3:
+            raise ValueError(f"SBMAttention expects x [batch, length, dim], got {x.shape}")
+        batch, length, dim = x.shape
+        if mask is None:
+            mask = jnp.ones((batch, length), bool)
+        if mask.shape != (batch, length):
+            raise ValueError(f"mask must have shape {(batch, length)}, got {mask.shape}")
+        mask = mask.astype(bool)
+        heads, hd, k = self.num_heads, self.head_dim, self.num_clusters
+        out_dim = self.out_dim or dim
+
+        proj = partial(nn.DenseGeneral, features=(heads, hd), dtype=self.dtype)
+        q = proj(name="query")(x)  # [B, L, H, hd]
+        kk = proj(name="key")(x)
+        v = proj(name="value")(x)
+
+        clusters = self.param("clusters", _kaiming_normal_per_head(), (heads, k, hd))
+        mlp_shape = (hd, hd) if self.shared_mlp else (heads, hd, hd)
+        bias_shape = (hd,) if self.shared_mlp else (heads, hd)
+        init = nn.initializers.lecun_normal()
+        w1 = self.param("mlp_w1", init, mlp_shape)
+        b1 = self.param("mlp_b1", nn.initializers.zeros, bias_shape)
+        w2 = self.param("mlp_w2", init, mlp_shape)
+        b2 = self.param("mlp_b2", nn.initializers.zeros, bias_shape)
+
+        def node_embed(t: jax.Array) -> jax.Array:  # [B, L, H, hd] -> [B, L, H, hd]
+            t = t.astype(jnp.float32)
+            eq = "blhd,de->blhe" if self.shared_mlp else "blhd,hde->blhe"
+            h = jax.nn.relu(jnp.einsum(eq, t, w1) + b1)
+            return jnp.einsum(eq, h, w2) + b2
+
+        q_memb = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", node_embed(q), clusters))
+        k_memb = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", node_embed(kk), clusters))
+        logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
+        block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
+
+        if not self.has_rng("sample"):
+            raise ValueError(
+                "SBMAttention samples its graph from the 'sample' rng stream: pass "
+                "rngs={'sample': key} to apply (it stays on at evaluation)"
+            )
+        rate = 0.0 if deterministic else self.attention_dropout
+        out, stats = sbm_attention_core(
+            self.make_rng("sample"),
+            q.transpose(0, 2, 1, 3),
+            kk.transpose(0, 2, 1, 3),
+            v.transpose(0, 2, 1, 3),
+            q_memb,
+            block,
+            k_memb,
+            mask,
+            delta=0.0 if deterministic else self.delta,
+            law=self.edge_law,
+            capacity_buckets=tuple(self.capacity_buckets),
+            impl=self.impl,
+            self_loops=self.self_loops,
+            window=self.window,
+            dense_below=self.dense_below,
+            max_dense_elements=self.max_dense_elements,
+            dropout_rate=rate,
+            dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
+        )
+        for name in ("density", "edges", "overflow", "path"):
+            self.sow(STATS_COLLECTION, name, stats[name])
+        out = out.transpose(0, 2, 1, 3).astype(self.dtype)  # [B, L, H, hd]
+        return nn.DenseGeneral(out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)

@@ -1,0 +1,112 @@
+"""Attention on an edge list: gather-dot scores, segment softmax, segment-sum aggregation.
+
+This is the canonical, portable implementation; faster layouts sit behind the same
+functions and are tested against :func:`dense_masked_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.graph import EdgeList
+
+
+def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 2 or k.ndim != 2 or v.ndim != 2:
+        raise ValueError(
+            f"expected q [n, d], k [m, d], v [m, dv]; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v lengths differ: k {k.shape}, v {v.shape}")
+
+
+def edge_scores(q: jax.Array, k: jax.Array, edges: EdgeList) -> jax.Array:
+    """``[C]`` scaled dot products ``q_row . k_col / sqrt(d)`` (0 in empty slots)."""
+    s = jnp.sum(q[edges.rows] * k[edges.cols], axis=-1) / math.sqrt(q.shape[-1])
+    return jnp.where(edges.valid, s, 0.0)
+
+
+def edge_softmax(scores: jax.Array, edges: EdgeList, num_rows: int) -> jax.Array:
+    """Softmax over the valid edges of each row; ``[C]`` weights, 0 in empty slots."""
+    rows = edges.rows
+    masked = jnp.where(edges.valid, scores, -jnp.inf)
+    row_max = jax.ops.segment_max(masked, rows, num_segments=num_rows, indices_are_sorted=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    e = jnp.where(edges.valid, jnp.exp(scores - row_max[rows]), 0.0)
+    denom = jax.ops.segment_sum(e, rows, num_segments=num_rows, indices_are_sorted=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return e / safe[rows]
+
+
+def edge_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    edges: EdgeList,
+    *,
+    edge_scale: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """Softmax attention restricted to the edges of ``edges``.
+
+    Args:
+      q: ``[n, d]`` queries; k: ``[m, d]`` keys; v: ``[m, dv]`` values.
+      edges: the graph; rows index ``q``, columns index ``k``.
+      edge_scale: optional ``[C]`` factor on each edge's score (the STE of the sampled
+        mask: ``straight_through(edges.probs)``).
+      dropout_rate, dropout_rng: attention dropout on the normalised edge weights.
+
+    Returns:
+      ``[n, dv]``; a row with no valid edge is exactly 0. Empty slots contribute nothing
+      and receive zero gradient.
+    """
+    _check_qkv(q, k, v)
+    n = q.shape[0]
+    s = edge_scores(q, k, edges)
+    if edge_scale is not None:
+        s = s * jnp.where(edges.valid, edge_scale, 0.0)
+    w = edge_softmax(s, edges, n)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
+        w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
+    contrib = w[:, None].astype(v.dtype) * v[edges.cols]
+    return jax.ops.segment_sum(contrib, edges.rows, num_segments=n, indices_are_sorted=True)
+
+
+def dense_masked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """Dense reference: softmax of ``q k^T / sqrt(d)`` (times ``scale``) over ``mask``.
+
+    ``mask`` is ``[n, m]`` bool; ``scale`` an optional ``[n, m]`` factor on the scores.
+    A row with no allowed key outputs exactly 0.
+    """
+    _check_qkv(q, k, v)
+    if mask.shape != (q.shape[0], k.shape[0]):
+        raise ValueError(f"mask must be [{q.shape[0]}, {k.shape[0]}], got {mask.shape}")
+    s = (q @ k.T) / math.sqrt(q.shape[-1])
+    if scale is not None:
+        s = s * jnp.where(mask, scale, 0.0)
+    masked = jnp.where(mask, s, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    e = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - row_max), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    w = e / jnp.where(denom > 0, denom, 1.0)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
+        w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
+    return w.astype(v.dtype) @ v

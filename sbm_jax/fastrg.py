@@ -1,0 +1,366 @@
+"""fastRG (Rohe et al.; paper Alg. 1) under ``jit``: SBM -> EdgeList in O(edges).
+
+The sampler works on a static number of slots (the capacity). It draws a Poisson
+number of (query, key) pairs, chooses each pair's block by inverse CDF over the
+``k*k`` block weights and its nodes by inverse CDF inside the chosen clusters,
+collapses duplicates by sorting, and returns the edges in the layout of
+:class:`sbm_jax.graph.EdgeList`.
+
+Two edge laws are exact:
+
+* ``poisson``: the raw fastRG law. A pair is present with probability
+  ``1 - exp(-(p + delta))``.
+* ``bernoulli`` (default): independent ``Bernoulli(min(1, p + delta))`` per pair, the
+  paper's model (``E[M] = p``). Realised by oversampling at rate ``c (p + delta)`` with
+  ``c = -log(1 - q) / q`` for a cheap upper bound ``q >= max(p + delta)`` and keeping
+  each collapsed edge with probability ``r / (1 - exp(-c r))``, ``r = p + delta``. When
+  ``q`` exceeds :data:`BERNOULLI_MAX_BOUND` the oversampling would cost too much and the
+  draw is made densely instead (still the same law).
+
+Exploration ``delta`` is one extra cluster whose membership is 1 for every real token
+and whose block entry is ``delta``: exactly ``p + delta`` on real pairs, still low rank.
+Masked queries and keys get zero membership, so no edge can touch padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.graph import EdgeList
+
+LAWS = ("bernoulli", "poisson")
+# Above this bound on p + delta the bernoulli oversampling factor c = -log(1-q)/q
+# exceeds ~4 (and diverges at 1): such graphs are drawn densely instead.
+BERNOULLI_MAX_BOUND = 0.98
+
+
+class SamplingPlan(flax.struct.PyTreeNode):
+    """Everything fastRG needs for one (query set, key set) pair, O(nk + k^2).
+
+    Shapes: ``n`` queries, ``m`` keys, ``k`` clusters, ``K = k + 1`` with the
+    exploration cluster.
+    """
+
+    y: jax.Array  # [n, K] masked query memberships, last column = q_mask (delta cluster)
+    z: jax.Array  # [m, K] masked key memberships, last column = k_mask
+    ys: jax.Array  # [n, k] Y S: per-edge probability is ys[i] . z[j, :k]
+    ycdf: jax.Array  # [K, n] per-cluster cumulative membership of queries
+    zcdf: jax.Array  # [K, m] per-cluster cumulative membership of keys
+    bcdf: jax.Array  # [K*K] cumulative block weights Bbar (flattened row-major)
+    expected_edges: jax.Array  # [] sum of (p + delta) over all pairs
+    oversample: jax.Array  # [] c: draws are Poisson(c * expected_edges)
+    bound: jax.Array  # [] q: upper bound on p + delta (bernoulli law)
+    delta: jax.Array  # [] exploration probability
+    q_mask: jax.Array  # [n] bool
+    k_mask: jax.Array  # [m] bool
+
+    @property
+    def expected_draws(self) -> jax.Array:
+        """Mean of the Poisson draw count."""
+        return self.oversample * self.expected_edges
+
+
+def check_law(law: str, field: str = "law") -> None:
+    """Raise a ValueError naming ``field`` unless ``law`` is a known edge law."""
+    if law not in LAWS:
+        raise ValueError(f"{field}={law!r} is not an edge law; choose one of {LAWS}")
+
+
+def make_plan(
+    q_memberships: jax.Array,
+    block: jax.Array,
+    k_memberships: jax.Array,
+    *,
+    delta: float | jax.Array = 0.0,
+    q_mask: jax.Array | None = None,
+    k_mask: jax.Array | None = None,
+    law: str = "bernoulli",
+) -> SamplingPlan:
+    """Precompute fastRG's CDFs and rates. Costs O(nk + k^2) (plus O(nk^2) for Y S)."""
+    check_law(law)
+    n, k = q_memberships.shape
+    m = k_memberships.shape[0]
+    f32 = jnp.float32
+    q_mask = jnp.ones((n,), bool) if q_mask is None else q_mask.astype(bool)
+    k_mask = jnp.ones((m,), bool) if k_mask is None else k_mask.astype(bool)
+    yq = q_memberships.astype(f32) * q_mask[:, None]
+    zk = k_memberships.astype(f32) * k_mask[:, None]
+    block = block.astype(f32)
+    delta = jnp.asarray(delta, f32)
+
+    y = jnp.concatenate([yq, q_mask[:, None].astype(f32)], axis=1)
+    z = jnp.concatenate([zk, k_mask[:, None].astype(f32)], axis=1)
+    big_block = jnp.zeros((k + 1, k + 1), f32).at[:k, :k].set(block).at[k, k].set(delta)
+    ys = yq @ block
+    # The draws are discrete: only ys and z (the per-edge probabilities) carry gradients.
+    sg = jax.lax.stop_gradient
+    ycdf = jnp.cumsum(sg(y), axis=0).T
+    zcdf = jnp.cumsum(sg(z), axis=0).T
+    ysum, zsum = ycdf[:, -1], zcdf[:, -1]
+    bbar = ysum[:, None] * sg(big_block) * zsum[None, :]
+    bcdf = jnp.cumsum(bbar.reshape(-1))
+    expected = bcdf[-1]
+
+    if law == "bernoulli":
+        zmax = jnp.max(sg(zk), axis=0)  # masked rows are 0, memberships are >= 0
+        bound = jnp.max(sg(ys) @ zmax, initial=0.0) + sg(delta) * jnp.any(k_mask)
+        safe = jnp.clip(bound, 1e-6, 1.0 - 1e-7)
+        oversample = jnp.where(bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
+    else:
+        bound = jnp.asarray(0.0, f32)
+        oversample = jnp.asarray(1.0, f32)
+    return SamplingPlan(
+        y=y,
+        z=z,
+        ys=ys,
+        ycdf=ycdf,
+        zcdf=zcdf,
+        bcdf=bcdf,
+        expected_edges=expected,
+        oversample=oversample.astype(f32),
+        bound=bound.astype(f32),
+        delta=delta,
+        q_mask=q_mask,
+        k_mask=k_mask,
+    )
+
+
+def draw_count(key: jax.Array, plan: SamplingPlan) -> jax.Array:
+    """Number of fastRG draws, ``Poisson(c * expected_edges)``, as int32."""
+    return jax.random.poisson(key, plan.expected_draws).astype(jnp.int32)
+
+
+def needs_dense(plan: SamplingPlan, law: str) -> jax.Array:
+    """True where the bernoulli bound is too close to 1 for oversampling."""
+    if law == "bernoulli":
+        return plan.bound > BERNOULLI_MAX_BOUND
+    return jnp.asarray(False)
+
+
+def _below(total: jax.Array, u: jax.Array) -> jax.Array:
+    # u * total, kept strictly below total so the inverse CDF always lands on a
+    # positive-weight entry.
+    return jnp.minimum(u * total, jnp.nextafter(total, jnp.zeros_like(total)))
+
+
+def _search_rows(cdf: jax.Array, row: jax.Array, target: jax.Array) -> jax.Array:
+    """First ``j`` with ``cdf[row, j] > target`` (batched binary search, exact in-row)."""
+    length = cdf.shape[1]
+    flat = cdf.reshape(-1)
+    base = row * length
+    lo = jnp.zeros_like(row)
+    hi = jnp.full_like(row, length - 1)
+    for _ in range(max(1, math.ceil(math.log2(length)))):
+        mid = (lo + hi) // 2
+        right = flat.at[base + mid].get(mode="promise_in_bounds") <= target
+        lo = jnp.where(right, mid + 1, lo)
+        hi = jnp.where(right, hi, mid)
+    return lo
+
+
+def edge_probs(plan: SamplingPlan, rows: jax.Array, cols: jax.Array) -> jax.Array:
+    """``p_ij = Qhat_i S Khat_j^T`` (masked, without delta) for each (row, col)."""
+    k = plan.ys.shape[1]
+    return jnp.sum(plan.ys[rows] * plan.z[cols, :k], axis=-1)
+
+
+def _keep_probability(plan: SamplingPlan, p: jax.Array) -> jax.Array:
+    r = p + plan.delta
+    cr = plan.oversample * r
+    return jnp.where(cr > 1e-7, r / -jnp.expm1(-jnp.maximum(cr, 1e-7)), 1.0 / plan.oversample)
+
+
+def _first_occurrences(keys: jax.Array, sentinel: int) -> jax.Array:
+    prev = jnp.concatenate([jnp.full((1,), -1, keys.dtype), keys[:-1]])
+    return (keys != prev) & (keys != sentinel)
+
+
+def _compact(keys: jax.Array, keep: jax.Array, capacity: int, sentinel: int) -> jax.Array:
+    """Move the kept entries of sorted ``keys`` to the front, in order (O(C) scatter)."""
+    pos = jnp.cumsum(keep) - 1
+    out = jnp.full((capacity,), sentinel, keys.dtype)
+    return out.at[jnp.where(keep, pos, capacity)].set(keys, mode="drop")
+
+
+def _edge_list(plan: SamplingPlan, keys: jax.Array, num_draws, overflow) -> EdgeList:
+    n, m = plan.y.shape[0], plan.z.shape[0]
+    sentinel = n * m
+    valid = keys != sentinel
+    rows = jnp.where(valid, keys // m, n - 1).astype(jnp.int32)
+    cols = jnp.where(valid, keys % m, 0).astype(jnp.int32)
+    probs = jnp.where(valid, edge_probs(plan, rows, cols), 0.0)
+    return EdgeList(
+        rows=rows,
+        cols=cols,
+        valid=valid,
+        probs=probs,
+        num_edges=jnp.sum(valid).astype(jnp.int32),
+        num_draws=jnp.asarray(num_draws, jnp.int32),
+        overflow=jnp.asarray(overflow, bool),
+    )
+
+
+def _check_size(n: int, m: int) -> None:
+    if n * m >= 2**31 - 1:
+        raise ValueError(
+            f"queries x keys = {n} x {m} does not fit int32 edge keys; "
+            "split the sequence or enable jax_enable_x64"
+        )
+
+
+def sample_from_plan(
+    key: jax.Array,
+    plan: SamplingPlan,
+    count: jax.Array,
+    *,
+    capacity: int,
+    law: str = "bernoulli",
+    forced_keys: jax.Array | None = None,
+) -> EdgeList:
+    """fastRG with ``count`` draws into ``capacity`` slots (plus ``forced_keys`` edges).
+
+    ``forced_keys`` (``[F] int32``, ``row * m + col``, ``n * m`` for none) are edges that
+    are always present (self-loops, local windows); the output then has
+    ``capacity + F`` slots. Draws beyond ``capacity`` are lost and set ``overflow``.
+    """
+    n, m = plan.y.shape[0], plan.z.shape[0]
+    _check_size(n, m)
+    sentinel = n * m
+    kblocks = plan.ycdf.shape[0]
+    k_pair, k_row, k_col, k_keep = jax.random.split(key, 4)
+
+    active = jnp.arange(capacity) < count
+    t = _below(plan.bcdf[-1], jax.random.uniform(k_pair, (capacity,)))
+    pair = jnp.minimum(jnp.searchsorted(plan.bcdf, t, side="right"), kblocks * kblocks - 1)
+    u_cl, v_cl = pair // kblocks, pair % kblocks
+    ty = _below(plan.ycdf[u_cl, -1], jax.random.uniform(k_row, (capacity,)))
+    tz = _below(plan.zcdf[v_cl, -1], jax.random.uniform(k_col, (capacity,)))
+    rows = _search_rows(plan.ycdf, u_cl, ty)
+    cols = _search_rows(plan.zcdf, v_cl, tz)
+
+    keys = jnp.sort(jnp.where(active, rows * m + cols, sentinel).astype(jnp.int32))
+    keep = _first_occurrences(keys, sentinel)
+    if law == "bernoulli":
+        r_idx = jnp.where(keep, keys // m, 0)
+        c_idx = jnp.where(keep, keys % m, 0)
+        p_draw = jax.lax.stop_gradient(edge_probs(plan, r_idx, c_idx))
+        accept = _keep_probability(plan, p_draw)
+        keep = keep & (jax.random.uniform(k_keep, (capacity,)) < accept)
+    out_capacity = capacity
+    if forced_keys is not None:
+        keys = jnp.sort(jnp.concatenate([jnp.where(keep, keys, sentinel), forced_keys]))
+        keep = _first_occurrences(keys, sentinel)
+        out_capacity = capacity + forced_keys.shape[0]
+    keys = _compact(keys, keep, out_capacity, sentinel)
+    return _edge_list(plan, keys, count, count > capacity)
+
+
+def dense_probs(plan: SamplingPlan) -> jax.Array:
+    """``[n, m]`` matrix ``p = Qhat S Khat^T`` (masked, without delta)."""
+    k = plan.ys.shape[1]
+    return plan.ys @ plan.z[:, :k].T
+
+
+def sample_dense_mask(
+    key: jax.Array,
+    p: jax.Array,
+    delta: float | jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    law: str = "bernoulli",
+) -> jax.Array:
+    """``[n, m]`` bool mask drawn pair by pair with the same law as the sparse sampler."""
+    check_law(law)
+    rate = jax.lax.stop_gradient(p + delta)
+    prob = jnp.minimum(rate, 1.0) if law == "bernoulli" else -jnp.expm1(-rate)
+    real = q_mask[:, None] & k_mask[None, :]
+    return (jax.random.uniform(key, p.shape) < prob) & real
+
+
+def _dense_into_slots(key: jax.Array, plan: SamplingPlan, capacity: int, law: str) -> EdgeList:
+    n, m = plan.y.shape[0], plan.z.shape[0]
+    mask = sample_dense_mask(key, dense_probs(plan), plan.delta, plan.q_mask, plan.k_mask, law)
+    flat = mask.reshape(-1)
+    keys = jnp.arange(n * m, dtype=jnp.int32)
+    total = jnp.sum(flat)
+    return _edge_list(plan, _compact(keys, flat, capacity, n * m), total, total > capacity)
+
+
+def sample_sbm_graph(
+    key: jax.Array,
+    q_memberships: jax.Array,
+    block: jax.Array,
+    k_memberships: jax.Array,
+    *,
+    capacity: int,
+    delta: float = 0.0,
+    q_mask: jax.Array | None = None,
+    k_mask: jax.Array | None = None,
+    law: str = "bernoulli",
+) -> EdgeList:
+    """Sample a bipartite graph from the SBM ``(Qhat [n,k], S [k,k], Khat [m,k])``.
+
+    Args:
+      key: PRNG key.
+      q_memberships: ``[n, k]`` query memberships in [0, 1].
+      block: ``[k, k]`` nonnegative block matrix (softmax-normalised in SBM attention).
+      k_memberships: ``[m, k]`` key memberships in [0, 1].
+      capacity: static number of edge slots ``C``.
+      delta: exploration probability added to every real pair.
+      q_mask, k_mask: ``[n]``, ``[m]`` bool, True for real tokens; masked ones get no edge.
+      law: ``"bernoulli"`` (pair present w.p. ``min(1, p + delta)``) or ``"poisson"``
+        (``1 - exp(-(p + delta))``).
+
+    Returns:
+      An :class:`EdgeList` with ``C`` slots; ``overflow`` is set when more edges were
+      drawn than fit. Under the bernoulli law, when the bound on ``p + delta`` exceeds
+      :data:`BERNOULLI_MAX_BOUND`, the graph is drawn densely (O(nm)) and compacted; under
+      ``vmap`` both ways then run, so batch-level callers (the attention layer) choose
+      the path outside ``vmap`` instead.
+    """
+    check_law(law)
+    if q_memberships.ndim != 2 or k_memberships.ndim != 2 or block.ndim != 2:
+        raise ValueError(
+            "sample_sbm_graph expects q_memberships [n, k], block [k, k], k_memberships [m, k]; "
+            f"got {q_memberships.shape}, {block.shape}, {k_memberships.shape}"
+        )
+    k = q_memberships.shape[1]
+    if block.shape != (k, k) or k_memberships.shape[1] != k:
+        raise ValueError(
+            f"cluster counts disagree: q_memberships {q_memberships.shape}, block {block.shape}, "
+            f"k_memberships {k_memberships.shape}"
+        )
+    if k < 1:
+        raise ValueError(f"number of clusters k must be >= 1, got {k}")
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    if not isinstance(delta, jax.Array) and delta < 0:
+        raise ValueError(f"delta must be >= 0, got {delta}")
+    n, m = q_memberships.shape[0], k_memberships.shape[0]
+    _check_size(n, m)
+    if q_mask is not None and q_mask.shape != (n,):
+        raise ValueError(f"q_mask must have shape ({n},), got {q_mask.shape}")
+    if k_mask is not None and k_mask.shape != (m,):
+        raise ValueError(f"k_mask must have shape ({m},), got {k_mask.shape}")
+
+    plan = make_plan(
+        q_memberships, block, k_memberships, delta=delta, q_mask=q_mask, k_mask=k_mask, law=law
+    )
+    k_count, k_draw = jax.random.split(key)
+    count = draw_count(k_count, plan)
+
+    def sparse(_):
+        return sample_from_plan(k_draw, plan, count, capacity=capacity, law=law)
+
+    if law == "poisson":
+        return sparse(None)
+    return jax.lax.cond(
+        needs_dense(plan, law),
+        lambda _: _dense_into_slots(k_draw, plan, capacity, law),
+        sparse,
+        None,
+    )

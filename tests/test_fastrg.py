@@ -1,0 +1,196 @@
+"""fastRG sampler: exact edge laws, layout contract, masks, probabilities, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbm_jax import EdgeList, sample_sbm_graph
+from sbm_jax.fastrg import BERNOULLI_MAX_BOUND, make_plan, sample_dense_mask
+
+N, M, K = 24, 18, 4
+Q_MASK = np.arange(N) < 21
+K_MASK = np.arange(M) < 16
+DELTA = 0.05
+TRIALS = 3000
+
+
+def _sbm(scale: float, seed: int = 0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.uniform(ks[0], (N, K))
+    k = jax.random.uniform(ks[1], (M, K))
+    s = jax.nn.softmax(jax.random.normal(ks[2], (K * K,))).reshape(K, K) * scale
+    return q, s, k
+
+
+def _dense_p(q, s, k):
+    # Independent reference: p = Qhat S Khat^T on real tokens, in float64.
+    q, s, k = (np.asarray(a, np.float64) for a in (q, s, k))
+    return (q @ s @ k.T) * (Q_MASK[:, None] & K_MASK[None, :])
+
+
+def _frequencies(edges: EdgeList) -> np.ndarray:
+    rows, cols, valid = (np.asarray(a) for a in (edges.rows, edges.cols, edges.valid))
+    freq = np.zeros((N, M))
+    for t in range(rows.shape[0]):
+        np.add.at(freq, (rows[t][valid[t]], cols[t][valid[t]]), 1)
+    return freq / rows.shape[0]
+
+
+def _assert_law(freq: np.ndarray, target: np.ndarray, trials: int) -> None:
+    real = Q_MASK[:, None] & K_MASK[None, :]
+    assert np.all(freq[~real] == 0), "an edge touched a masked query or key"
+    t = target[real]
+    var = t * (1 - t) / trials
+    z2 = np.where(var > 0, (freq[real] - t) ** 2 / np.maximum(var, 1e-12), 0.0)
+    df = int(np.sum(var > 0))
+    # Sum of squared z-scores ~ chi2(df): mean df, sd sqrt(2 df). 6 sd is a loose bound
+    # that still rejects the wrong law by a wide margin (see test_laws_are_distinguishable).
+    assert abs(z2.sum() - df) < 6 * np.sqrt(2 * df), (z2.sum(), df)
+    assert np.max(z2) < 36.0  # no single pair more than 6 sd off
+    assert np.all(freq[real][t == 1.0] == 1.0)
+
+
+def _sample_many(law: str, scale: float, capacity: int = N * M, trials: int = TRIALS):
+    q, s, k = _sbm(scale)
+    keys = jax.random.split(jax.random.PRNGKey(7), trials)
+    fn = jax.jit(
+        jax.vmap(
+            lambda key: sample_sbm_graph(
+                key,
+                q,
+                s,
+                k,
+                capacity=capacity,
+                delta=DELTA,
+                q_mask=jnp.asarray(Q_MASK),
+                k_mask=jnp.asarray(K_MASK),
+                law=law,
+            )
+        )
+    )
+    return fn(keys), _dense_p(q, s, k)
+
+
+@pytest.fixture(scope="module")
+def bernoulli_sparse():
+    return _sample_many("bernoulli", 0.8)
+
+
+@pytest.fixture(scope="module")
+def poisson_sparse():
+    return _sample_many("poisson", 0.8)
+
+
+def test_bernoulli_law_sparse_regime(bernoulli_sparse):
+    edges, p = bernoulli_sparse
+    plan = make_plan(*_sbm(0.8), delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    assert float(plan.bound) <= BERNOULLI_MAX_BOUND  # this case exercises oversample + thin
+    assert float(plan.bound) >= p.max() + DELTA - 1e-6  # and the bound is a bound
+    assert not np.asarray(edges.overflow).any()
+    _assert_law(_frequencies(edges), np.minimum(1.0, p + DELTA), TRIALS)
+
+
+def test_poisson_law(poisson_sparse):
+    edges, p = poisson_sparse
+    assert not np.asarray(edges.overflow).any()
+    _assert_law(_frequencies(edges), 1.0 - np.exp(-(p + DELTA)), TRIALS)
+
+
+def test_laws_are_distinguishable(bernoulli_sparse, poisson_sparse):
+    # The statistical check has power: each law's samples fail the other law's target.
+    edges_b, p = bernoulli_sparse
+    edges_p, _ = poisson_sparse
+    with pytest.raises(AssertionError):
+        _assert_law(_frequencies(edges_p), np.minimum(1.0, p + DELTA), TRIALS)
+    with pytest.raises(AssertionError):
+        _assert_law(_frequencies(edges_b), 1.0 - np.exp(-(p + DELTA)), TRIALS)
+
+
+def test_bernoulli_law_dense_regime():
+    # p + delta exceeds 1 for some pairs: the bound is > 1 and the draw goes dense.
+    edges, p = _sample_many("bernoulli", 3.0, trials=1500)
+    assert p.max() + DELTA > 1.0
+    _assert_law(_frequencies(edges), np.minimum(1.0, p + DELTA), 1500)
+
+
+def test_dense_mask_same_law():
+    q, s, k = _sbm(0.8)
+    p = jnp.asarray(_dense_p(q, s, k), jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(3), TRIALS)
+    for law, target in (
+        ("bernoulli", np.minimum(1.0, np.asarray(p) + DELTA)),
+        ("poisson", 1.0 - np.exp(-(np.asarray(p) + DELTA))),
+    ):
+        masks = jax.vmap(
+            lambda key, law=law: sample_dense_mask(
+                key, p, DELTA, jnp.asarray(Q_MASK), jnp.asarray(K_MASK), law
+            )
+        )(keys)
+        _assert_law(np.asarray(masks).mean(0), target, TRIALS)
+
+
+def test_layout_contract_and_probs(bernoulli_sparse):
+    edges, p = bernoulli_sparse
+    rows, cols, valid, probs = (
+        np.asarray(a) for a in (edges.rows, edges.cols, edges.valid, edges.probs)
+    )
+    for t in range(50):
+        nv = int(valid[t].sum())
+        assert nv == int(edges.num_edges[t])
+        assert valid[t][:nv].all() and not valid[t][nv:].any(), "valid edges must come first"
+        keys = rows[t][:nv] * M + cols[t][:nv]
+        assert np.all(np.diff(keys) > 0), "valid edges sorted by (row, col), no duplicates"
+        assert np.all(np.diff(rows[t]) >= 0), "rows non-decreasing over all slots"
+        assert np.all(rows[t][nv:] == N - 1)
+        np.testing.assert_allclose(probs[t][:nv], p[rows[t][:nv], cols[t][:nv]], rtol=1e-5)
+        assert np.all(probs[t][nv:] == 0)
+
+
+def test_overflow_is_flagged():
+    q, s, k = _sbm(0.8)
+    edges = sample_sbm_graph(
+        jax.random.PRNGKey(0), q, s, k, capacity=5, delta=DELTA, law="poisson"
+    )
+    assert int(edges.num_draws) > 5
+    assert bool(edges.overflow)
+    assert int(edges.num_edges) <= 5
+
+
+def test_num_draws_is_poisson_mean():
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
+    p = _dense_p(q, s, k)
+    real = Q_MASK[:, None] & K_MASK[None, :]
+    np.testing.assert_allclose(float(plan.expected_edges), (p + DELTA * real).sum(), rtol=1e-4)
+
+
+def test_zero_memberships_give_no_edges():
+    q, s, k = _sbm(0.8)
+    edges = sample_sbm_graph(
+        jax.random.PRNGKey(0), jnp.zeros_like(q), s, k, capacity=64, delta=0.0
+    )
+    assert int(edges.num_edges) == 0 and not bool(edges.overflow)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(capacity=0), "capacity"),
+        (dict(capacity=10, delta=-0.1), "delta"),
+        (dict(capacity=10, law="gumbel"), "law"),
+        (dict(capacity=10, q_mask=jnp.ones((N + 1,), bool)), "q_mask"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    q, s, k = _sbm(0.8)
+    with pytest.raises(ValueError, match=match):
+        sample_sbm_graph(jax.random.PRNGKey(0), q, s, k, **kwargs)
+
+
+def test_mismatched_clusters():
+    q, s, k = _sbm(0.8)
+    with pytest.raises(ValueError, match="cluster"):
+        sample_sbm_graph(jax.random.PRNGKey(0), q, s[:3, :3], k, capacity=10)
+    with pytest.raises(ValueError, match="k_memberships"):
+        sample_sbm_graph(jax.random.PRNGKey(0), q, s, k[None], capacity=10)
