@@ -52,6 +52,7 @@ def edge_attention(
     edge_scale: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    impl: str = "segment",
 ) -> jax.Array:
     """Softmax attention restricted to the edges of ``edges``.
 
@@ -61,12 +62,32 @@ def edge_attention(
       edge_scale: optional ``[C]`` factor on each edge's score (the STE of the sampled
         mask: ``straight_through(edges.probs)``).
       dropout_rate, dropout_rng: attention dropout on the normalised edge weights.
+      impl: ``"segment"``, the canonical gather + segment-op implementation (the
+        reference every faster kernel is tested against), or a kernel of
+        :data:`sbm_jax.kernels.KERNELS`: ``"rows"`` streams virtual rows of the
+        row-sorted edge list with a flash-style backward (needs the EdgeList layout
+        contract: valid edges first, sorted by row).
 
     Returns:
       ``[n, dv]``; a row with no valid edge is exactly 0. Empty slots contribute nothing
       and receive zero gradient.
     """
     _check_qkv(q, k, v)
+    if impl != "segment":
+        from sbm_jax.kernels import KERNELS  # lazy: the kernels import this package
+
+        if impl not in KERNELS:
+            choices = ("segment", *KERNELS)
+            raise ValueError(f"edge_attention impl={impl!r} is unknown; choose one of {choices}")
+        return KERNELS[impl](
+            q,
+            k,
+            v,
+            edges,
+            edge_scale=edge_scale,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+        )
     n = q.shape[0]
     s = edge_scores(q, k, edges)
     if edge_scale is not None:

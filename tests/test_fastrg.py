@@ -149,9 +149,7 @@ def test_layout_contract_and_probs(bernoulli_sparse):
 
 def test_overflow_is_flagged():
     q, s, k = _sbm(0.8)
-    edges = sample_sbm_graph(
-        jax.random.PRNGKey(0), q, s, k, capacity=5, delta=DELTA, law="poisson"
-    )
+    edges = sample_sbm_graph(jax.random.PRNGKey(0), q, s, k, capacity=5, delta=DELTA, law="poisson")
     assert int(edges.num_draws) > 5
     assert bool(edges.overflow)
     assert int(edges.num_edges) <= 5
@@ -167,9 +165,7 @@ def test_num_draws_is_poisson_mean():
 
 def test_zero_memberships_give_no_edges():
     q, s, k = _sbm(0.8)
-    edges = sample_sbm_graph(
-        jax.random.PRNGKey(0), jnp.zeros_like(q), s, k, capacity=64, delta=0.0
-    )
+    edges = sample_sbm_graph(jax.random.PRNGKey(0), jnp.zeros_like(q), s, k, capacity=64, delta=0.0)
     assert int(edges.num_edges) == 0 and not bool(edges.overflow)
 
 

@@ -56,7 +56,9 @@ def get_attention(name: str, field: str = "model.attention") -> type[nn.Module]:
         ) from None
 
 
-def build_attention(name: str, *, options: dict[str, Any] | None = None, **fields: Any) -> nn.Module:
+def build_attention(
+    name: str, *, options: dict[str, Any] | None = None, **fields: Any
+) -> nn.Module:
     """Instantiate mechanism ``name`` with the common ``fields`` and its ``options``.
 
     Unknown option names fail with a message naming ``model.attention_options.<opt>``.

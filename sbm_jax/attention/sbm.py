@@ -91,19 +91,34 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
 
 
 def _sparse_head(
-    key, drop_key, plan: SamplingPlan, count, q, k, v, *, capacity, law, self_loops, window, rate
+    key,
+    drop_key,
+    plan: SamplingPlan,
+    count,
+    q,
+    k,
+    v,
+    *,
+    capacity,
+    law,
+    self_loops,
+    window,
+    rate,
+    kernel="segment",
 ):
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
     edges = sample_from_plan(key, plan, count, capacity=capacity, law=law, forced_keys=forced)
     scale = straight_through(edges.probs)
     out = edge_attention(
-        q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key
+        q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key, impl=kernel
     )
     density = jnp.sum(jnp.where(edges.valid, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
     return out, density, edges.num_edges, edges.overflow
 
 
-def _dense_head(key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate):
+def _dense_head(
+    key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate
+):
     del count
     p = dense_probs(plan)
     mask = sample_dense_mask(key, p, plan.delta, plan.q_mask, plan.k_mask, law)
@@ -143,6 +158,7 @@ def sbm_attention_core(
     max_dense_elements: int = 2**31,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    kernel: str = "segment",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sample one graph per (example, head) and attend over it. Pure function.
 
@@ -164,9 +180,9 @@ def sbm_attention_core(
     def plan_one(qm, blk, km, qmask, kmask):
         return make_plan(qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law)
 
-    plans = jax.vmap(
-        jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)), in_axes=(0, None, 0, 0, 0)
-    )(q_memberships, block, k_memberships, mask, mask)
+    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)), in_axes=(0, None, 0, 0, 0))(
+        q_memberships, block, k_memberships, mask, mask
+    )
 
     k_count, k_sample = jax.random.split(rng)
     counts = jax.random.poisson(k_count, plans.expected_draws).astype(jnp.int32)
@@ -187,7 +203,9 @@ def sbm_attention_core(
         path = jnp.asarray(len(caps), jnp.int32)
     else:
         branches = [
-            jax.checkpoint(_over_batch_and_heads(partial(_sparse_head, capacity=c, **common)))
+            jax.checkpoint(
+                _over_batch_and_heads(partial(_sparse_head, capacity=c, kernel=kernel, **common))
+            )
             for c in caps
         ]
         force_dense = jnp.any(needs_dense(plans, law))
@@ -232,6 +250,8 @@ class SBMAttention(nn.Module):
         take the dense path (sparse bookkeeping costs more there).
       max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
         this; otherwise draws above the largest bucket overflow (and are recorded).
+      kernel: edge-attention implementation for the sparse path (see
+        :func:`sbm_jax.edge_ops.edge_attention`).
     """
 
     num_heads: int
@@ -249,6 +269,7 @@ class SBMAttention(nn.Module):
     window: int = 0
     dense_below: int = 0
     max_dense_elements: int = 2**31
+    kernel: str = "segment"
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
@@ -339,6 +360,7 @@ class SBMAttention(nn.Module):
             max_dense_elements=self.max_dense_elements,
             dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
+            kernel=self.kernel,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])

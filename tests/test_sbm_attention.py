@@ -1,0 +1,305 @@
+"""SBMAttention: path choice, same law on sparse and dense paths, density, padding, retracing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbm_jax import SBMAttention
+from sbm_jax.attention.registry import STATS_COLLECTION
+from sbm_jax.attention.sbm import (
+    bucket_capacities,
+    choose_bucket,
+    forced_edge_keys,
+    forced_edge_mask,
+    sbm_attention_core,
+)
+from sbm_jax.fastrg import dense_probs, make_plan
+
+B, L, D = 2, 16, 8
+MASK = jnp.arange(L)[None, :] < jnp.array([[16], [11]])
+
+
+def _x(seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), (B, L, D))
+
+
+def _module(**kw):
+    # One sparse bucket keeps compile time down; the bucket test uses several.
+    base = dict(num_heads=2, head_dim=4, num_clusters=6, capacity_buckets=(0.5,))
+    base.update(kw)
+    return SBMAttention(**base)
+
+
+_PARAMS = {}
+
+
+def _init(mod, x):
+    # Parameter shapes depend only on the widths, so one dense-path init serves every
+    # impl, law and bucket set (and the dense path compiles fastest).
+    mod.validate()
+    sig = (mod.num_heads, mod.head_dim, mod.num_clusters, mod.shared_mlp, x.shape)
+    if sig not in _PARAMS:
+        rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
+        _PARAMS[sig] = mod.clone(impl="dense").init(rngs, x, MASK)["params"]
+    return _PARAMS[sig]
+
+
+_APPLY = {}
+
+
+def _apply(mod, params, x, key, deterministic=False, mask=MASK):
+    """Jitted apply, compiled once per module configuration."""
+    sig = (repr(mod), deterministic)
+    if sig not in _APPLY:
+        _APPLY[sig] = jax.jit(
+            lambda params, x, mask, key: mod.apply(
+                {"params": params},
+                x,
+                mask,
+                deterministic=deterministic,
+                rngs={"sample": key},
+                mutable=[STATS_COLLECTION],
+            )
+        )
+    return _APPLY[sig](params, x, mask, key)
+
+
+def test_bucket_capacities_and_choice():
+    caps = bucket_capacities((1 / 64, 1 / 16, 1 / 4), 64, 64)
+    assert caps == (64, 256, 1024)
+    for counts, want in [([3, 64], 0), ([65, 1], 1), ([256], 1), ([257], 2), ([1025], 3)]:
+        assert int(choose_bucket(jnp.array(counts), caps)) == want
+    assert int(choose_bucket(jnp.array([1]), caps, force_dense=True)) == 3
+
+
+def test_layer_picks_smallest_bucket_that_fits():
+    # Recompute the layer's plan outside it and check its recorded path against
+    # the smallest bucket holding the largest Poisson draw.
+    rng = np.random.default_rng(0)
+    q_memb = jnp.asarray(rng.random((B, 2, L, 3)) * 0.3, jnp.float32)
+    k_memb = jnp.asarray(rng.random((B, 2, L, 3)) * 0.3, jnp.float32)
+    block = jnp.full((2, 3, 3), 1 / 9, jnp.float32)
+    qkv = jnp.asarray(rng.normal(size=(B, 2, L, 4)), jnp.float32)
+    buckets = (1 / 32, 1 / 8, 1 / 2)
+    caps = bucket_capacities(buckets, L, L)
+    core = jax.jit(
+        lambda key: sbm_attention_core(
+            key,
+            qkv,
+            qkv,
+            qkv,
+            q_memb,
+            block,
+            k_memb,
+            MASK,
+            delta=0.0,
+            law="poisson",
+            capacity_buckets=buckets,
+            impl="sparse",
+        )[1]
+    )
+    seen = set()
+    for seed in range(12):
+        key = jax.random.PRNGKey(seed)
+        stats = core(key)
+        plans = jax.vmap(
+            jax.vmap(
+                lambda a, b, c, m: make_plan(a, b, c, q_mask=m, k_mask=m, law="poisson"),
+                in_axes=(0, 0, 0, None),
+            ),
+            in_axes=(0, None, 0, 0),
+        )(q_memb, block, k_memb, MASK)
+        counts = jax.random.poisson(jax.random.split(key)[0], plans.expected_draws)
+        want = int(np.sum(np.array(caps) < int(counts.max())))
+        assert int(stats["path"]) == want
+        assert not np.asarray(stats["overflow"]).any()
+        seen.add(want)
+    assert len(seen) >= 2, "the test should exercise more than one bucket"
+
+
+def _mean_density(impl: str, law: str, trials: int):
+    mod = _module(impl=impl, edge_law=law, delta=0.05)
+    x = _x()
+    params = _init(mod, x)
+    fn = lambda key: _apply(mod, params, x, key)[1][STATS_COLLECTION]["density"][0]  # noqa: E731
+    dens = np.stack([np.asarray(fn(k)) for k in jax.random.split(jax.random.PRNGKey(5), trials)])
+    return dens, mod, params, x
+
+
+@pytest.mark.parametrize("law", ["bernoulli", "poisson"])
+def test_sparse_and_dense_paths_sample_the_same_law(law):
+    trials = 60
+    d_sparse, mod, params, x = _mean_density("sparse", law, trials)
+    d_dense, _, _, _ = _mean_density("dense", law, trials)
+    # Closed form: E[density] = mean over real pairs of the pair probability.
+    qkv_memb = _memberships(mod, params, x)
+    expected = _expected_density(*qkv_memb, law=law, delta=0.05)
+    for d in (d_sparse, d_dense):
+        se = d.std(0) / np.sqrt(trials) + 1e-3
+        assert np.all(np.abs(d.mean(0) - expected) < 5 * se), (d.mean(0), expected)
+
+
+def _memberships(mod, params, x):
+    # Recompute the layer's memberships and block from its parameters (eqs. 5-7).
+    p = params
+    q = jnp.einsum("bld,dhe->blhe", x, p["query"]["kernel"]) + p["query"]["bias"]
+    k = jnp.einsum("bld,dhe->blhe", x, p["key"]["kernel"]) + p["key"]["bias"]
+
+    def mlp(t):
+        h = jax.nn.relu(jnp.einsum("blhd,hde->blhe", t, p["mlp_w1"]) + p["mlp_b1"])
+        return jnp.einsum("blhd,hde->blhe", h, p["mlp_w2"]) + p["mlp_b2"]
+
+    c = p["clusters"]
+    qm = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", mlp(q), c))
+    km = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", mlp(k), c))
+    kk = c.shape[1]
+    s = jax.nn.softmax(jnp.einsum("hkd,hjd->hkj", c, c).reshape(-1, kk * kk), -1)
+    return qm, s.reshape(-1, kk, kk), km
+
+
+def _expected_density(qm, s, km, *, law, delta):
+    qm, s, km = (np.asarray(a, np.float64) for a in (qm, s, km))
+    mask = np.asarray(MASK)
+    out = np.zeros(qm.shape[:2])
+    for b in range(qm.shape[0]):
+        real = mask[b][:, None] & mask[b][None, :]
+        for h in range(qm.shape[1]):
+            p = qm[b, h] @ s[h] @ km[b, h].T + delta
+            prob = np.minimum(1, p) if law == "bernoulli" else 1 - np.exp(-p)
+            out[b, h] = prob[real].mean()
+    return out
+
+
+def test_density_and_edges_are_consistent():
+    mod = _module(impl="sparse")
+    x = _x()
+    params = _init(mod, x)
+    _, state = _apply(mod, params, x, jax.random.PRNGKey(3))
+    st = state[STATS_COLLECTION]
+    real = np.asarray(MASK).sum(1).astype(float) ** 2
+    np.testing.assert_allclose(
+        np.asarray(st["density"][0]), np.asarray(st["edges"][0]) / real[:, None], rtol=1e-6
+    )
+
+
+def test_padding_never_changes_real_outputs():
+    mod = _module(impl="sparse")
+    x = _x()
+    params = _init(mod, x)
+    noise = jax.random.normal(jax.random.PRNGKey(9), x.shape) * 5
+    x2 = jnp.where(MASK[..., None], x, noise)
+    key = jax.random.PRNGKey(4)
+    y1, s1 = _apply(mod, params, x, key)
+    y2, s2 = _apply(mod, params, x2, key)
+    m = np.asarray(MASK)
+    np.testing.assert_allclose(np.asarray(y1)[m], np.asarray(y2)[m], atol=1e-5)
+    np.testing.assert_array_equal(
+        s1[STATS_COLLECTION]["edges"][0], s2[STATS_COLLECTION]["edges"][0]
+    )
+
+
+def test_no_retrace_across_batches():
+    mod = _module()
+    x = _x()
+    params = _init(mod, x)
+    traces = []
+
+    @jax.jit
+    def step(params, x, key):
+        traces.append(1)
+        y, _ = _apply(mod, params, x, key)
+        return jnp.sum(y)
+
+    for seed in range(4):
+        step(params, _x(seed), jax.random.PRNGKey(seed)).block_until_ready()
+    assert len(traces) == 1
+
+
+def test_eval_keeps_sampling_without_delta():
+    mod = _module(impl="dense", delta=0.5)
+    x = _x()
+    params = _init(mod, x)
+    dens = lambda det, seed: np.asarray(  # noqa: E731
+        _apply(mod, params, x, jax.random.PRNGKey(seed), deterministic=det)[1][STATS_COLLECTION][
+            "density"
+        ][0]
+    )
+    train = np.mean([dens(False, s) for s in range(5)])
+    evals = [dens(True, s) for s in range(5)]
+    assert train > np.mean(evals) + 0.2, "delta=0.5 must raise training density only"
+    assert not np.allclose(evals[0], evals[1]), "evaluation still samples"
+
+
+def test_gradients_reach_sbm_parameters_and_are_finite():
+    mod = _module(impl="sparse")
+    x = _x()
+    params = _init(mod, x)
+
+    def loss(params):
+        y, st = _apply(mod, params, x, jax.random.PRNGKey(2))
+        return jnp.mean(y**2) + jnp.mean(st[STATS_COLLECTION]["density"][0])
+
+    grads = jax.grad(loss)(params)
+    for name in ("clusters", "mlp_w1", "mlp_w2", "query", "key", "value"):
+        leaves = jax.tree.leaves(grads[name])
+        assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+        assert any(np.abs(np.asarray(g)).sum() > 0 for g in leaves), name
+
+
+def test_forced_edges_self_loops_and_window():
+    qm = jnp.arange(6) < 5
+    keys = np.asarray(forced_edge_keys(qm, qm, self_loops=False, window=2))
+    dense = np.asarray(forced_edge_mask(qm, qm, self_loops=False, window=2))
+    valid = keys[keys < 36]
+    got = np.zeros((6, 6), bool)
+    got[valid // 6, valid % 6] = True
+    want = np.array([[abs(i - j) <= 1 and i < 5 and j < 5 for j in range(6)] for i in range(6)])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(dense, want)
+    loops = np.asarray(forced_edge_mask(qm, qm, self_loops=True, window=0))
+    np.testing.assert_array_equal(loops, np.diag(np.arange(6) < 5))
+
+
+def test_self_loops_always_present():
+    mod = _module(impl="sparse", self_loops=True, delta=0.0)
+    x = _x()
+    params = _init(mod, x)
+    _, st = _apply(mod, params, x, jax.random.PRNGKey(1))
+    real = np.asarray(MASK).sum(1)
+    assert np.all(np.asarray(st[STATS_COLLECTION]["edges"][0]) >= real[:, None])
+
+
+def test_dense_probs_match_memberships():
+    mod = _module()
+    x = _x()
+    params = _init(mod, x)
+    qm, s, km = _memberships(mod, params, x)
+    plan = make_plan(qm[1, 0], s[0], km[1, 0], q_mask=MASK[1], k_mask=MASK[1])
+    want = np.asarray(qm[1, 0] @ s[0] @ km[1, 0].T) * np.outer(MASK[1], MASK[1])
+    np.testing.assert_allclose(dense_probs(plan), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(capacity_buckets=(0.25, 0.1)), "capacity_buckets"),
+        (dict(capacity_buckets=(0.0, 0.5)), "capacity_buckets"),
+        (dict(capacity_buckets=(0.5, 1.5)), "capacity_buckets"),
+        (dict(num_clusters=0), "num_clusters"),
+        (dict(delta=-0.1), "delta"),
+        (dict(edge_law="gumbel"), "edge_law"),
+        (dict(impl="fast"), "impl"),
+        (dict(impl="dense", max_dense_elements=10), "max_dense_elements"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    mod = _module(**kwargs)
+    with pytest.raises(ValueError, match=field):
+        mod.init({"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}, _x(), MASK)
+
+
+def test_missing_sample_rng_is_explained():
+    mod = _module()
+    with pytest.raises(ValueError, match="sample"):
+        mod.init({"params": jax.random.PRNGKey(0)}, _x(), MASK)
