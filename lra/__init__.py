@@ -1,0 +1,1 @@
+"""Long Range Arena data: TFDS builders, offline generators and grain input pipelines."""

@@ -1,0 +1,272 @@
+"""ListOps: generator labels vs an independent evaluator, release TSVs, determinism."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from lra import builders, listops_generator, vocab
+from lra.input_pipeline import open_split
+
+
+def all_examples(source) -> list:
+    return [source[i] for i in range(len(source))]
+
+
+# The vocabulary is part of the data format: pin every id.
+EXPECTED_TOKENS = [
+    "<pad>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9",
+    "[MIN", "[MAX", "[MED", "[SM", "]",
+]  # fmt: skip
+
+
+def evaluate_prefix(tokens: list[str]) -> int:
+    """Independent evaluator: parse a prefix ListOps token list with an explicit stack."""
+    stack: list[list] = []  # frames [operator, args]
+    result = None
+    for tok in tokens:
+        if tok.startswith("["):
+            stack.append([tok, []])
+            continue
+        if tok == "]":
+            op, args = stack.pop()
+            assert len(args) >= 2, f"operator {op} with {len(args)} arguments"
+            if op == "[MIN":
+                value = min(args)
+            elif op == "[MAX":
+                value = max(args)
+            elif op == "[MED":
+                value = int(np.floor(np.median(np.asarray(args, dtype=np.float64))))
+            elif op == "[SM":
+                value = int(np.sum(args)) % 10
+            else:
+                raise AssertionError(f"unknown operator {op}")
+        else:
+            value = int(tok)
+            assert 0 <= value <= 9
+        if stack:
+            stack[-1][1].append(value)
+        else:
+            assert result is None, "more than one root"
+            result = value
+    assert not stack, "unclosed operator"
+    assert result is not None
+    return result
+
+
+def tree_depth(tokens: list[str]) -> int:
+    depth = best = 0
+    for tok in tokens:
+        if tok.startswith("["):
+            depth += 1
+            best = max(best, depth)
+        elif tok == "]":
+            depth -= 1
+        else:
+            best = max(best, depth + 1)
+    return best
+
+
+def test_vocabulary_is_fixed():
+    assert list(vocab.LISTOPS_TOKENS) == EXPECTED_TOKENS
+    assert vocab.LISTOPS_VOCAB_SIZE == 16
+    ids = vocab.encode_listops("( ( ( [MAX 2 ) 9 ) ] )")
+    np.testing.assert_array_equal(ids, [12, 3, 10, 15])
+    assert vocab.decode_listops(ids) == "[MAX 2 9 ]"
+    with pytest.raises(ValueError, match="unknown ListOps token"):
+        vocab.encode_listops("[MAX 2 X ]")
+
+
+def test_evaluator_on_hand_examples():
+    assert evaluate_prefix("[MED 3 8 ]".split()) == 5
+    assert evaluate_prefix("[MIN 4 [SM 3 8 ] 7 ]".split()) == 1
+    assert evaluate_prefix("[MED 1 5 2 9 ]".split()) == 3
+
+
+@pytest.mark.parametrize("max_depth", [10, 4])
+def test_generated_labels_match_independent_evaluator(max_depth):
+    params = listops_generator.ListOpsParams(min_length=20, max_length=300, max_depth=max_depth)
+    examples = list(listops_generator.generate_split(params, seed=3, split="t", num_examples=150))
+    labels = []
+    for _, ids, label in examples:
+        tokens = vocab.decode_listops(ids).split()
+        assert params.min_length < len(tokens) < params.max_length
+        assert evaluate_prefix(tokens) == label
+        assert tree_depth(tokens) <= max_depth
+        args = _argument_counts(tokens)
+        assert all(2 <= a <= params.max_args for a in args)
+        labels.append(label)
+    # All ten classes occur; no duplicates.
+    assert len(set(labels)) == 10
+    assert len({ids.tobytes() for _, ids, _ in examples}) == len(examples)
+
+
+def _argument_counts(tokens: list[str]) -> list[int]:
+    counts, stack = [], []
+    for tok in tokens:
+        if stack and tok != "]":
+            stack[-1] += 1
+        if tok.startswith("["):
+            stack.append(0)
+        elif tok == "]":
+            counts.append(stack.pop())
+    return counts
+
+
+def test_operator_probability_matches_reference_rule():
+    # With max_depth 2 only the root may be an operator: P(root is an operator) = 0.25.
+    params = listops_generator.ListOpsParams(min_length=0, max_length=100, max_depth=2)
+    n = 4000
+    ops = sum(
+        listops_generator.sample_expression(listops_generator.example_rng(0, "p", i), params)[
+            0
+        ].size
+        > 1
+        for i in range(n)
+    )
+    # Accepted trees have length > 0, i.e. all; binomial sd = sqrt(n * .25 * .75) ~ 27.
+    assert abs(ops - 0.25 * n) < 5 * np.sqrt(n * 0.25 * 0.75)
+
+
+def test_same_seed_same_bytes_different_seed_differs():
+    params = listops_generator.ListOpsParams(min_length=30, max_length=200)
+    a = [
+        ids.tobytes()
+        for _, ids, _ in listops_generator.generate_split(
+            params, seed=1, split="train", num_examples=20
+        )
+    ]
+    b = [
+        ids.tobytes()
+        for _, ids, _ in listops_generator.generate_split(
+            params, seed=1, split="train", num_examples=20
+        )
+    ]
+    c = [
+        ids.tobytes()
+        for _, ids, _ in listops_generator.generate_split(
+            params, seed=2, split="train", num_examples=20
+        )
+    ]
+    assert a == b
+    assert a != c
+
+
+def test_invalid_params_are_named():
+    with pytest.raises(ValueError, match="min_length"):
+        listops_generator.ListOpsParams(min_length=600, max_length=512)
+
+
+def test_generated_builder_splits(small_listops_dir):
+    data_dir, config = small_listops_dir
+    sizes = {"train": 37, "validation": 11, "test": 5}
+    seen = {}
+    for split, n in sizes.items():
+        examples = all_examples(open_split(data_dir, "listops", split, config))
+        assert len(examples) == n
+        for ex in examples:
+            assert ex["inputs"].dtype == np.int32
+            assert 10 < ex["inputs"].shape[0] < 60
+            assert evaluate_prefix(vocab.decode_listops(ex["inputs"]).split()) == ex["targets"]
+        seen[split] = {ex["inputs"].tobytes() for ex in examples}
+    assert not seen["train"] & seen["validation"]
+    assert not seen["train"] & seen["test"]
+
+
+def test_generated_builder_is_reproducible(small_listops_dir, tmp_path):
+    data_dir, config_name = small_listops_dir
+    config = builders.make_config(
+        "listops", num_train=37, num_validation=11, num_test=5, min_length=10, max_length=60
+    )
+    assert config.name == config_name
+    builders.make_builder("listops", config, data_dir=str(tmp_path)).download_and_prepare(
+        file_format="array_record"
+    )
+    for split in ("train", "test"):
+        first = {
+            ex["inputs"].tobytes() + bytes([ex["targets"]])
+            for ex in all_examples(open_split(data_dir, "listops", split, config_name))
+        }
+        again = {
+            ex["inputs"].tobytes() + bytes([ex["targets"]])
+            for ex in all_examples(open_split(str(tmp_path), "listops", split, config_name))
+        }
+        assert first == again
+
+
+def test_release_tsvs(fixtures_dir, tmp_path):
+    manual = os.path.join(fixtures_dir, "listops")
+    b = builders.make_builder(
+        "listops", builders.make_config("listops", source="release"), data_dir=str(tmp_path)
+    )
+    from tensorflow_datasets.core.download import DownloadConfig
+
+    b.download_and_prepare(
+        file_format="array_record", download_config=DownloadConfig(manual_dir=manual)
+    )
+    counts = {"train": 2, "validation": 1, "test": 2}
+    for split, n in counts.items():
+        examples = all_examples(b.as_data_source(split))
+        assert len(examples) == n
+        for ex in examples:
+            assert evaluate_prefix(vocab.decode_listops(ex["inputs"]).split()) == ex["targets"]
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("[MAX 2 9 ]\t9\textra", "expected 2 tab-separated columns, got 3"),
+        ("[MAX 2 9 ]\tnine", "Target 'nine' is not an integer"),
+        ("[MAX 2 9 ]\t12", "Target 12 is outside 0..9"),
+        ("   \t3", "empty Source"),
+        ("[MAX 2 Q ]\t3", "unknown ListOps token 'Q'"),
+    ],
+)
+def test_malformed_release_line_names_file_and_line(fixtures_dir, tmp_path, bad_line, message):
+    manual = tmp_path / "manual"
+    shutil.copytree(os.path.join(fixtures_dir, "listops"), manual)
+    path = manual / "basic_val.tsv"
+    with open(path, "a") as f:
+        f.write(bad_line + "\n")
+    b = builders.make_builder(
+        "listops",
+        builders.make_config("listops", source="release"),
+        data_dir=str(tmp_path / "data"),
+    )
+    from tensorflow_datasets.core.download import DownloadConfig
+
+    with pytest.raises(builders.MalformedFileError) as err:
+        b.download_and_prepare(
+            file_format="array_record", download_config=DownloadConfig(manual_dir=str(manual))
+        )
+    assert f"{path}:3: " in str(err.value)
+    assert message in str(err.value)
+
+
+def test_missing_release_files_message(tmp_path):
+    b = builders.make_builder(
+        "listops",
+        builders.make_config("listops", source="release"),
+        data_dir=str(tmp_path / "data"),
+    )
+    from tensorflow_datasets.core.download import DownloadConfig
+
+    (tmp_path / "manual").mkdir()
+    with pytest.raises(builders.MissingFilesError) as err:
+        b.download_and_prepare(
+            file_format="array_record",
+            download_config=DownloadConfig(manual_dir=str(tmp_path / "manual")),
+        )
+    text = str(err.value)
+    for name in (
+        "basic_train.tsv",
+        "basic_val.tsv",
+        "basic_test.tsv",
+        str(tmp_path / "manual"),
+        builders.LRA_RELEASE_URL,
+        "listops-1000",
+    ):
+        assert name in text
