@@ -1,0 +1,81 @@
+"""Shared pieces of the low-rank / kernel baselines (linear, performer, linformer, nystromformer).
+
+Each of these mechanisms makes the same per-head Q/K/V projections and the same output
+projection as the other registered mechanisms (``query``, ``key``, ``value``, ``out``
+``DenseGeneral`` layers), checks its inputs the same way, and does its numerically
+delicate work (exponentials, normalisers, pseudo-inverses) in at least float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Finite stand-in for -inf in masked logits: a fully masked row then gives a uniform
+# softmax (finite, and discarded by the caller) instead of NaN in the forward or backward.
+MASKED_LOGIT = -1e30
+
+
+def check_inputs(x: Array, mask: Array) -> None:
+    """Raise a ValueError unless x is [batch, length, dim] and mask is [batch, length]."""
+    if x.ndim != 3:
+        raise ValueError(f"x must be [batch, length, dim], got shape {x.shape}")
+    if mask.shape != x.shape[:2]:
+        raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+
+
+def check_positive(name: str, value: int) -> None:
+    """Raise a ValueError naming ``model.attention_options.<name>`` unless value >= 1."""
+    if value < 1:
+        raise ValueError(f"model.attention_options.{name} must be >= 1, got {value}")
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """The dtype for the mechanisms' numerics: ``dtype`` promoted to at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def project_qkv(x: Array, num_heads: int, head_dim: int, dtype: Any) -> tuple[Array, Array, Array]:
+    """Per-head projections, called inside a compact ``__call__``.
+
+    x [batch, length, dim] -> (q, k, v), each [batch, length, num_heads, head_dim], made by
+    submodules named ``query``, ``key`` and ``value`` of the calling module.
+    """
+    features = (num_heads, head_dim)
+    q = nn.DenseGeneral(features, dtype=dtype, name="query")(x)
+    k = nn.DenseGeneral(features, dtype=dtype, name="key")(x)
+    v = nn.DenseGeneral(features, dtype=dtype, name="value")(x)
+    return q, k, v
+
+
+def project_out(y: Array, out_dim: int, dtype: Any) -> Array:
+    """Output projection, called inside a compact ``__call__``.
+
+    y [batch, length, heads, head_dim] -> [batch, length, out_dim] (submodule ``out``).
+    """
+    return nn.DenseGeneral(out_dim, axis=(-2, -1), dtype=dtype, name="out")(y.astype(dtype))
+
+
+def masked_softmax(logits: Array, mask: Array, axis: int = -1) -> Array:
+    """Softmax of ``logits`` over ``axis`` where ``mask`` (broadcastable) is True.
+
+    Masked entries are exactly 0. A row with nothing allowed comes out uniform (finite,
+    never NaN); callers only feed such rows to outputs that are discarded.
+    """
+    logits = jnp.where(mask, logits, jnp.asarray(MASKED_LOGIT, logits.dtype))
+    return jax.nn.softmax(logits, axis=axis)
+
+
+def dropout_weights(module: nn.Module, weights: Array, rate: float, deterministic: bool) -> Array:
+    """Inverted dropout on attention weights with the module's ``dropout`` rng stream."""
+    if deterministic or rate <= 0.0:
+        return weights
+    if rate >= 1.0:
+        raise ValueError(f"attention_dropout must be < 1, got {rate}")
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, weights.shape)
+    return jnp.where(keep, weights / (1.0 - rate), jnp.zeros_like(weights))

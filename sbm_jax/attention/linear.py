@@ -1,0 +1,81 @@
+"""Linear Transformer attention (Katharopoulos et al., 2020), O(n d^2).
+
+With the feature map ``phi(x) = elu(x) + 1`` (elementwise, positive), the attention of
+query i is the kernel-normalised average
+
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps),
+
+computed right to left so that no n x n matrix is formed. Padded keys have their
+features and values zeroed, so they drop out of both sums exactly.
+
+``attention_dropout`` is not applied: no attention weights are ever formed (as in the
+paper and in the LRA reference code).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.attention._projections import check_inputs, compute_dtype, project_out, project_qkv
+from sbm_jax.attention.registry import register
+
+Array = jax.Array
+
+
+def elu_feature_map(x: Array) -> Array:
+    """phi(x) = elu(x) + 1, elementwise and strictly positive; shape preserved."""
+    return jax.nn.elu(x) + 1.0
+
+
+def linear_attention(q: Array, k: Array, v: Array, mask: Array, eps: float = 1e-6) -> Array:
+    """Normalised linear attention with the elu+1 feature map.
+
+    Args:
+      q, k: [batch, length, heads, d].
+      v: [batch, length, heads, dv].
+      mask: bool [batch, length], True for real tokens (padded keys are removed).
+      eps: added to the normaliser (keeps rows with no real key finite).
+
+    Returns:
+      [batch, length, heads, dv].
+    """
+    keep = mask.astype(q.dtype)[:, :, None, None]
+    phi_q = elu_feature_map(q)
+    phi_k = elu_feature_map(k) * keep  # padded keys contribute nothing
+    v = v * keep
+    kv = jnp.einsum("bnhd,bnhe->bhde", phi_k, v)  # [B, H, d, dv]
+    k_sum = jnp.sum(phi_k, axis=1)  # [B, H, d]
+    numerator = jnp.einsum("bnhd,bhde->bnhe", phi_q, kv)
+    denominator = jnp.einsum("bnhd,bhd->bnh", phi_q, k_sum)
+    return numerator / (denominator[..., None] + eps)
+
+
+@register("linear")
+class LinearAttention(nn.Module):
+    """Linear Transformer attention with the elu(x)+1 feature map.
+
+    Options: ``eps`` (normaliser offset, default 1e-6 as in the paper's code).
+    """
+
+    num_heads: int
+    head_dim: int
+    out_dim: int
+    attention_dropout: float = 0.0
+    dtype: Any = jnp.float32
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
+        del deterministic  # no randomness: attention weights are never formed
+        check_inputs(x, mask)
+        if self.eps < 0:
+            raise ValueError(f"model.attention_options.eps must be >= 0, got {self.eps}")
+        q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
+        ct = compute_dtype(self.dtype)
+        out = linear_attention(q.astype(ct), k.astype(ct), v.astype(ct), mask, self.eps)
+        return project_out(out, self.out_dim, self.dtype)

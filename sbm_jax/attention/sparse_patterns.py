@@ -1,0 +1,202 @@
+"""Sparse Transformer factorized attention patterns (Child et al. 2019), strided and fixed.
+
+Formulas (``/work/shared/papers/sparse_transformer_notes.md``, stride ``l``, summary
+width ``c``), for query i and key j, 0-based:
+
+* strided, head type A: ``max(0, i - l) <= j <= i`` (the previous l positions and i);
+  bidirectional: ``|i - j| <= l``.
+* strided, head type B: ``(i - j) mod l == 0`` (every l-th position); causal adds j <= i.
+* fixed, head type A: ``floor(j / l) == floor(i / l)`` (same block); causal adds j <= i.
+* fixed, head type B: ``j mod l in {l - c, ..., l - 1}`` (the last c cells of every
+  block, the block "summaries"); causal adds j <= i.
+
+Encoders use the bidirectional forms by default (``causal=False``). Heads split across
+the two types as in the paper: with H > 1 heads the first ``ceil(H/2)`` use A and the
+rest B; with one head, the head attends to the union of A and B. Padding is removed
+from the keys on top of the pattern, and a query whose pattern leaves it no real key
+outputs zero (see ``masked.py``). The patterns are computed in the graph from iotas,
+so no n x n constant is embedded in the compiled program.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
+from sbm_jax.attention.registry import STATS_COLLECTION, register
+
+Array = jax.Array
+
+
+def default_stride(n: int) -> int:
+    """The stride l close to sqrt(n): ``max(1, round(sqrt(n)))``."""
+    return max(1, round(math.sqrt(n)))
+
+
+def _check_stride(n: int, stride: int) -> None:
+    if n < 1:
+        raise ValueError(f"sequence length must be >= 1, got {n}")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+
+
+def _positions(n: int) -> tuple[Array, Array]:
+    i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return i, j
+
+
+def strided_pattern(n: int, stride: int, causal: bool = False) -> Array:
+    """Strided pattern for length ``n`` -> bool [2, n, n]: [A (local), B (every l-th)]."""
+    _check_stride(n, stride)
+    i, j = _positions(n)
+    diff = i - j
+    if causal:
+        a = (diff >= 0) & (diff <= stride)
+        b = (diff >= 0) & (diff % stride == 0)
+    else:
+        a = jnp.abs(diff) <= stride
+        b = diff % stride == 0
+    return jnp.stack([a, b])
+
+
+def fixed_pattern(
+    n: int, stride: int, c: int, causal: bool = False, summary_offset: int = 0
+) -> Array:
+    """Fixed pattern for length ``n`` -> bool [2, n, n]: [A (same block), B (summaries)].
+
+    ``summary_offset`` shifts the summary cells of B towards the block start:
+    ``j mod l in {l - c - o, ..., l - 1 - o}`` (mod l), so that several B heads can use
+    distinct subblocks, as the paper found preferable.
+    """
+    _check_stride(n, stride)
+    if not 1 <= c <= stride:
+        raise ValueError(f"c must be in [1, stride={stride}], got {c}")
+    i, j = _positions(n)
+    a = (i // stride) == (j // stride)
+    b = (stride - 1 - summary_offset - j % stride) % stride < c
+    if causal:
+        a = a & (j <= i)
+        b = b & (j <= i)
+    return jnp.stack([a, b])
+
+
+def split_heads(a_patterns: Array, b_patterns: Array, num_heads: int) -> Array:
+    """Per-head masks [H, n, n] from type-A and type-B patterns.
+
+    ``a_patterns`` / ``b_patterns``: [n, n] or [k, n, n] (head h of a type takes entry
+    ``h mod k``). One head gets A | B (first entries); otherwise the first
+    ``ceil(H/2)`` heads get A and the remaining ``floor(H/2)`` get B.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    a_patterns = a_patterns[None] if a_patterns.ndim == 2 else a_patterns
+    b_patterns = b_patterns[None] if b_patterns.ndim == 2 else b_patterns
+    if num_heads == 1:
+        return (a_patterns[0] | b_patterns[0])[None]
+    num_a = num_heads - num_heads // 2
+    heads = [a_patterns[h % a_patterns.shape[0]] for h in range(num_a)]
+    heads += [b_patterns[h % b_patterns.shape[0]] for h in range(num_heads - num_a)]
+    return jnp.stack(heads)
+
+
+class _PatternAttention(nn.Module):
+    """Multi-head attention whose heads follow fixed boolean patterns (see subclasses)."""
+
+    num_heads: int
+    head_dim: int
+    out_dim: int
+    attention_dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    def head_patterns(self, n: int) -> Array:
+        """bool [H, n, n]: which keys each head's queries may attend to."""
+        raise NotImplementedError(f"{type(self).__name__} must define head_patterns")
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+        n = x.shape[1]
+        features = (self.num_heads, self.head_dim)
+        q = nn.DenseGeneral(features, dtype=self.dtype, name="query")(x)
+        k = nn.DenseGeneral(features, dtype=self.dtype, name="key")(x)
+        v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
+        allowed = self.head_patterns(n)[None] & key_padding_mask(mask)  # [B, H, n, n]
+        density, edges = mask_density(allowed, mask)
+        self.sow(STATS_COLLECTION, "density", density)
+        self.sow(STATS_COLLECTION, "edges", edges)
+        rng = None
+        if not deterministic and self.attention_dropout > 0.0:
+            rng = self.make_rng("dropout")
+        out = masked_attention(
+            q,
+            k,
+            v,
+            allowed,
+            dropout_rate=self.attention_dropout,
+            dropout_rng=rng,
+            deterministic=deterministic,
+        )
+        return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+
+
+@register("sparse_strided")
+class SparseStridedAttention(_PatternAttention):
+    """Sparse Transformer strided attention.
+
+    Options: ``stride`` (l; None = round(sqrt(n)) of the input length), ``causal``.
+    """
+
+    stride: int | None = None
+    causal: bool = False
+
+    def head_patterns(self, n: int) -> Array:
+        stride = default_stride(n) if self.stride is None else self.stride
+        if stride < 1:
+            raise ValueError(f"model.attention_options.stride must be >= 1, got {stride}")
+        a, b = strided_pattern(n, stride, self.causal)
+        return split_heads(a, b, self.num_heads)
+
+
+@register("sparse_fixed")
+class SparseFixedAttention(_PatternAttention):
+    """Sparse Transformer fixed attention.
+
+    Options: ``stride`` (l; None = round(sqrt(n))), ``c`` (summary cells per block;
+    None = max(1, l // 8), so c = 16 for l = 128 and 32 for l = 256, within the paper's
+    range; clipped to l), ``causal``, ``distinct_summaries`` (B heads use distinct
+    subblocks of c cells, the paper's preferred multi-head variant).
+    """
+
+    stride: int | None = None
+    c: int | None = None
+    causal: bool = False
+    distinct_summaries: bool = False
+
+    def head_patterns(self, n: int) -> Array:
+        stride = default_stride(n) if self.stride is None else self.stride
+        if stride < 1:
+            raise ValueError(f"model.attention_options.stride must be >= 1, got {stride}")
+        if self.c is None:
+            c = max(1, stride // 8)
+        elif not 1 <= self.c <= stride:
+            raise ValueError(
+                f"model.attention_options.c must be in [1, stride={stride}], got {self.c}"
+            )
+        else:
+            c = self.c
+        num_b = self.num_heads // 2 if self.distinct_summaries else 1
+        patterns = [
+            fixed_pattern(n, stride, c, self.causal, summary_offset=(h * c) % stride)
+            for h in range(max(num_b, 1))
+        ]
+        a = patterns[0][0]
+        b = jnp.stack([p[1] for p in patterns])
+        return split_heads(a, b, self.num_heads)

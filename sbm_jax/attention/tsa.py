@@ -1,0 +1,179 @@
+"""Tensorized Spectral Attention (Xu, Konstantinidis, Li, Mandic 2021), registered as "tsa".
+
+Per head h (paper secs. 3-4):
+
+    K = X W_k,  V = X W_v                          (TT/MPO projections, eq. 4)
+    Theta[l1, l2] = relu(k_l1 . k_l2 / sqrt(d)),   Theta[l, l] = 0
+    Omega = (A + A^T) / 2,  A[l1, l2] = c^(l2 - l1) for l2 > l1, else 0
+          i.e. Omega[l1, l2] = c^|l1 - l2| / 2 off the diagonal, 0 on it
+    Psi = Omega (.) Theta
+    Y = (I + Psi) V                                (first-order spectral graph filter)
+
+The H head outputs are concatenated and combined by an output projection (TT or dense)
+into ``out_dim``. There are no queries: Theta is symmetric, so Psi is an undirected graph.
+Padding: Psi's rows and columns of padded tokens are zeroed, so a real token's output is
+its own value plus Psi-weighted values of real tokens only; padded positions' filtered
+outputs are zeroed before the output projection. Design choices where the paper is silent
+are listed in docs/tsa.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.attention.registry import STATS_COLLECTION, register
+from sbm_jax.layers.tt import TTDense
+
+Array = jax.Array
+
+PROJECTIONS = ("tt", "dense")
+
+
+def time_graph(length: int, damping: float, dtype: Any = jnp.float32) -> Array:
+    """Bi-directional time-graph adjacency Omega [length, length] (paper sec. 2.4).
+
+    ``Omega = (A + A^T) / 2`` with ``A[l1, l2] = damping^(l2 - l1)`` for ``l2 > l1`` and 0
+    otherwise: ``damping^|l1 - l2| / 2`` off the diagonal, 0 on it.
+    """
+    pos = jnp.arange(length)
+    dist = jnp.abs(pos[:, None] - pos[None, :])
+    omega = 0.5 * jnp.power(jnp.asarray(damping, jnp.float32), dist.astype(jnp.float32))
+    return jnp.where(dist > 0, omega, 0.0).astype(dtype)
+
+
+def spectral_adjacency(k: Array, mask: Array, damping: float) -> Array:
+    """Time-domain attention graph Psi = Omega (.) relu(K K^T / sqrt(d)), diagonal zeroed.
+
+    k: [batch, length, heads, d]; mask: [batch, length] bool -> Psi [batch, heads, L, L],
+    with the rows and columns of padded tokens zeroed.
+    """
+    length, d = k.shape[1], k.shape[-1]
+    scores = jnp.einsum("blhd,bmhd->bhlm", k, k) / jnp.sqrt(jnp.asarray(d, k.dtype))
+    theta = jax.nn.relu(scores)
+    omega = time_graph(length, damping, k.dtype)  # zero diagonal: Theta[l, l] never used
+    pair = mask[:, None, :, None] & mask[:, None, None, :]
+    return jnp.where(pair, omega * theta, jnp.zeros((), k.dtype))
+
+
+def spectral_filter(psi: Array, v: Array, mask: Array) -> Array:
+    """Y = (I + Psi) V per head; padded positions' outputs are zeroed.
+
+    psi: [batch, heads, L, L]; v: [batch, L, heads, d]; mask: [batch, L] -> [batch, L, heads, d].
+    """
+    y = v + jnp.einsum("bhlm,bmhd->blhd", psi, v)
+    return jnp.where(mask[:, :, None, None], y, jnp.zeros((), y.dtype))
+
+
+@register("tsa")
+class TensorizedSpectralAttention(nn.Module):
+    """Multi-head Tensorized Spectral Attention: x [B, L, D], mask [B, L] -> [B, L, out_dim].
+
+    Options (``model.attention_options``):
+      damping: c in Omega = c^|l1 - l2| / 2, 0 < c < 1 (paper: "strictly less than 1";
+        0.9 is the default of the authors' RGTN code, the paper states no value).
+      projection: "tt" (MPO layers, the paper) or "dense" (plain nn.Dense baseline).
+      tt_rank: inner TT-rank of every projection (2 = the paper's QTT setting).
+      use_bias: biases on the key/value/output projections.
+    """
+
+    num_heads: int
+    head_dim: int
+    out_dim: int
+    attention_dropout: float = 0.0
+    dtype: Any = jnp.float32
+    damping: float = 0.9
+    projection: str = "tt"
+    tt_rank: int = 2
+    use_bias: bool = False
+
+    def _check(self) -> None:
+        for field in ("num_heads", "head_dim", "out_dim", "tt_rank"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"tsa: {field}={value!r} must be a positive integer")
+        if not 0.0 < float(self.damping) < 1.0:
+            raise ValueError(
+                f"model.attention_options.damping={self.damping!r} must lie in (0, 1) "
+                "(the paper's damping constant is strictly less than 1)"
+            )
+        if self.projection not in PROJECTIONS:
+            raise ValueError(
+                f"model.attention_options.projection={self.projection!r} must be one of "
+                f"{PROJECTIONS}"
+            )
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            raise ValueError(
+                f"tsa: attention_dropout={self.attention_dropout!r} must lie in [0, 1)"
+            )
+
+    def _head_projection(self, name: str) -> nn.Module:
+        """x [B, L, D] -> [B, L, heads, head_dim], independent weights per head."""
+        if self.projection == "dense":
+            return nn.DenseGeneral(
+                features=(self.num_heads, self.head_dim),
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                name=name,
+            )
+        per_head = nn.vmap(
+            TTDense,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None,
+            out_axes=-2,
+            axis_size=self.num_heads,
+        )
+        return per_head(
+            features=self.head_dim,
+            rank=self.tt_rank,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+        """x: [batch, length, dim]; mask: [batch, length] bool -> [batch, length, out_dim]."""
+        self._check()
+        if x.ndim != 3:
+            raise ValueError(f"tsa: x has shape {x.shape}; expected [batch, length, dim]")
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"tsa: mask has shape {mask.shape}; expected {x.shape[:2]}")
+        mask = mask.astype(bool)
+        x = x.astype(self.dtype)
+
+        # Projections run in self.dtype; the graph and filter in at least float32 (the
+        # filter sums up to L terms per output).
+        work = jnp.promote_types(self.dtype, jnp.float32)
+        k = self._head_projection("key")(x).astype(work)  # [B, L, H, Dh]
+        v = self._head_projection("value")(x).astype(work)  # [B, L, H, Dh]
+        psi = spectral_adjacency(k, mask, self.damping)  # [B, H, L, L]
+
+        pair = mask[:, None, :, None] & mask[:, None, None, :]
+        offdiag = ~jnp.eye(x.shape[1], dtype=bool)
+        edges = jnp.sum((psi > 0) & pair & offdiag, axis=(-2, -1)).astype(jnp.float32)
+        n_real = jnp.sum(mask, axis=-1).astype(jnp.float32)[:, None]  # [B, 1]
+        possible = jnp.maximum(n_real * (n_real - 1.0), 1.0)
+        self.sow(STATS_COLLECTION, "density", jax.lax.stop_gradient(edges / possible))
+        self.sow(STATS_COLLECTION, "edges", jax.lax.stop_gradient(edges))
+
+        if self.attention_dropout > 0.0:
+            psi = nn.Dropout(rate=self.attention_dropout)(psi, deterministic=deterministic)
+
+        y = spectral_filter(psi, v, mask).astype(self.dtype)  # [B, L, H, Dh]
+        y = y.reshape(*y.shape[:2], self.num_heads * self.head_dim)
+        if self.projection == "dense":
+            out = nn.Dense(self.out_dim, use_bias=self.use_bias, dtype=self.dtype, name="out")
+        else:
+            out = TTDense(
+                self.out_dim,
+                rank=self.tt_rank,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                name="out",
+            )
+        return out(y)

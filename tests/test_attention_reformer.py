@@ -1,0 +1,204 @@
+"""Reformer LSH attention against dense and loop references."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbm_jax.attention.reformer import ReformerAttention, lsh_attention, lsh_buckets
+
+
+def token_mask(n: int, lengths) -> jax.Array:
+    return jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None]
+
+
+def dense_shared_qk_reference(qk, v, mask, causal):
+    """Full attention with keys qk/|qk|, no self-attention unless a token has no other key."""
+    qk, v = np.asarray(qk, np.float64), np.asarray(v, np.float64)
+    mask = np.asarray(mask)
+    batch, n, heads, d = qk.shape
+    keys = qk / np.linalg.norm(qk, axis=-1, keepdims=True)
+    out = np.zeros((batch, n, heads, v.shape[-1]))
+    for bi in range(batch):
+        for h in range(heads):
+            for i in range(n):
+                if not mask[bi, i]:
+                    continue
+                others = [j for j in range(n) if mask[bi, j] and j != i and (j <= i or not causal)]
+                if not others:
+                    out[bi, i, h] = v[bi, i, h]
+                    continue
+                s = keys[bi, others, h] @ qk[bi, i, h] / math.sqrt(d)
+                w = np.exp(s - s.max())
+                out[bi, i, h] = (w / w.sum()) @ v[bi, others, h]
+    return out
+
+
+def loop_lsh_reference(qk, v, mask, buckets, num_buckets, chunk_len):
+    """Sort by (bucket, position) with padding last, chunk, attend to own + previous chunk
+    (circular), self logit -1e5, padded keys -1e9; rounds combined by softmax of lse."""
+    qk, v = np.asarray(qk, np.float64), np.asarray(v, np.float64)
+    mask, buckets = np.asarray(mask), np.asarray(buckets)
+    batch, n, heads, d = qk.shape
+    rounds = buckets.shape[1]
+    keys = qk / np.linalg.norm(qk, axis=-1, keepdims=True)
+    length = min(chunk_len, n)
+    nc = -(-n // length)
+    out = np.zeros((batch, n, heads, v.shape[-1]))
+    for bi in range(batch):
+        for h in range(heads):
+            outs = np.zeros((rounds, n, v.shape[-1]))
+            lses = np.zeros((rounds, n))
+            for r in range(rounds):
+                real = [i for i in range(n) if mask[bi, i]]
+                pads = [i for i in range(n) if not mask[bi, i]]
+                order = sorted(real, key=lambda i: (buckets[bi, r, h, i], i)) + pads
+                order += [None] * (nc * length - n)  # filler slots
+                chunks = [order[c * length : (c + 1) * length] for c in range(nc)]
+                for c in range(nc):
+                    view = chunks[c] + (chunks[(c - 1) % nc] if nc > 1 else [])
+                    for i in chunks[c]:
+                        if i is None:
+                            continue
+                        s = []
+                        for j in view:
+                            if j is None or not mask[bi, j]:
+                                s.append(-1e9)
+                            elif j == i:
+                                s.append(-1e5)
+                            else:
+                                s.append(keys[bi, j, h] @ qk[bi, i, h] / math.sqrt(d))
+                        s = np.asarray(s)
+                        lse = s.max() + np.log(np.sum(np.exp(s - s.max())))
+                        w = np.exp(s - lse)
+                        vals = np.stack(
+                            [v[bi, j, h] if j is not None else 0 * v[bi, 0, h] for j in view]
+                        )
+                        outs[r, i] = w @ vals
+                        lses[r, i] = lse
+            rw = np.exp(lses - lses.max(0))
+            rw /= rw.sum(0)
+            out[bi, :, h] = np.sum(rw[..., None] * outs, axis=0)
+    return out
+
+
+def test_lsh_buckets_match_argmax_of_rotations():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
+    rot = jax.random.normal(jax.random.key(1), (2, 3, 4, 3))  # 6 buckets
+    got = np.asarray(lsh_buckets(x, rot))
+    xn, rn = np.asarray(x), np.asarray(rot)
+    for b in range(2):
+        for r in range(2):
+            for h in range(3):
+                for i in range(5):
+                    proj = xn[b, i, h] @ rn[r, h]
+                    assert got[b, r, h, i] == int(np.argmax(np.concatenate([proj, -proj])))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_bucket_equals_full_attention_without_self(causal):
+    n = 7
+    x = jax.random.normal(jax.random.key(2), (3, n, 8))
+    mask = token_mask(n, (7, 4, 1))  # the last example has a single real token
+    module = ReformerAttention(
+        num_heads=2, head_dim=4, out_dim=8, num_hashes=1, num_buckets=1, chunk_len=16, causal=causal
+    )
+    params = module.init(jax.random.key(3), x, mask, deterministic=True)
+    out = module.apply(params, x, mask, deterministic=True)
+    p = params["params"]
+    xd = np.asarray(x, np.float64)
+    qk, v = (
+        np.einsum("bnx,xhd->bnhd", xd, p[name]["kernel"]) + p[name]["bias"]
+        for name in ("query_key", "value")
+    )
+    att = dense_shared_qk_reference(qk, v, mask, causal)
+    ref = np.einsum("bnhd,hdo->bno", att, p["out"]["kernel"]) + p["out"]["bias"]
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[m], ref[m], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n,chunk_len,num_buckets",
+    [(10, 3, 4), (8, 4, 2), pytest.param(6, 2, 6, marks=pytest.mark.slow)],
+)
+def test_chunked_multi_round_matches_loop_reference(n, chunk_len, num_buckets):
+    kq, kv, kb = jax.random.split(jax.random.key(n), 3)
+    qk = jax.random.normal(kq, (2, n, 2, 4))
+    v = jax.random.normal(kv, (2, n, 2, 3))
+    mask = token_mask(n, (n, n - 3))
+    buckets = jax.random.randint(kb, (2, 2, 2, n), 0, num_buckets)
+    fn = jax.jit(lsh_attention, static_argnums=(4, 5))
+    out = fn(qk, v, mask, buckets, num_buckets, chunk_len)
+    ref = loop_lsh_reference(qk, v, mask, buckets, num_buckets, chunk_len)
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[m], ref[m], rtol=1e-5, atol=1e-6)
+
+
+def module_inputs(n=12, lengths=(12, 7)):
+    x = jax.random.normal(jax.random.key(4), (2, n, 8))
+    return x, token_mask(n, lengths)
+
+
+def test_padding_never_influences_real_tokens():
+    x, mask = module_inputs()
+    module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
+    params = module.init(jax.random.key(5), x, mask, deterministic=True)
+    x2 = jnp.where(mask[..., None], x, 50.0 * jax.random.normal(jax.random.key(6), x.shape))
+    apply = jax.jit(
+        lambda x: module.apply(
+            params, x, mask, deterministic=True, rngs={"sample": jax.random.key(7)}
+        )
+    )
+    m = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(apply(x))[m], np.asarray(apply(x2))[m])
+
+
+def test_hash_rng_sample_stream_and_fixed_key():
+    x, mask = module_inputs()
+    module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
+    params = module.init(jax.random.key(8), x, mask, deterministic=True)
+
+    @jax.jit
+    def apply(rng):
+        return module.apply(params, x, mask, deterministic=True, rngs={"sample": rng})
+
+    fixed = jax.jit(lambda: module.apply(params, x, mask, deterministic=True))
+    np.testing.assert_array_equal(apply(jax.random.key(0)), apply(jax.random.key(0)))
+    assert not np.allclose(apply(jax.random.key(0)), apply(jax.random.key(1)))
+    np.testing.assert_array_equal(fixed(), fixed())
+
+
+def test_gradients_finite_and_no_retrace():
+    x, mask = module_inputs()
+    module = ReformerAttention(
+        num_heads=2, head_dim=4, out_dim=8, chunk_len=4, attention_dropout=0.1
+    )
+    params = {"params": module.init(jax.random.key(9), x, mask, deterministic=True)["params"]}
+    traces = []
+
+    def loss(params, x, rng):
+        traces.append(1)
+        r1, r2 = jax.random.split(rng)
+        y = module.apply(params, x, mask, deterministic=False, rngs={"dropout": r1, "sample": r2})
+        return jnp.sum(y**2)
+
+    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for seed in range(2):
+        xb = jax.random.normal(jax.random.key(10 + seed), x.shape)
+        gp, gx = grad_fn(params, xb, jax.random.key(seed))
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(gp))
+        assert bool(jnp.all(jnp.isfinite(gx)))
+    assert len(traces) == 1
+
+
+def test_bad_options_name_the_field():
+    x, mask = module_inputs()
+    for options, field in [({"num_buckets": 3}, "num_buckets"), ({"num_hashes": 0}, "num_hashes")]:
+        with pytest.raises(ValueError, match=f"attention_options.{field}"):
+            ReformerAttention(num_heads=1, head_dim=4, out_dim=8, **options).init(
+                jax.random.key(0), x, mask, deterministic=True
+            )
