@@ -186,9 +186,9 @@ def sbm_attention_core(
 
     k_count, k_sample = jax.random.split(rng)
     counts = jax.random.poisson(k_count, plans.expected_draws).astype(jnp.int32)
-    sample_keys = jax.random.split(k_sample, batch * heads).reshape(batch, heads, -1)
+    sample_keys = jax.random.split(k_sample, (batch, heads))
     if dropout_rng is not None and dropout_rate > 0.0:
-        drop_keys = jax.random.split(dropout_rng, batch * heads).reshape(batch, heads, -1)
+        drop_keys = jax.random.split(dropout_rng, (batch, heads))
         rate = dropout_rate
     else:
         drop_keys = sample_keys  # unused when rate == 0
@@ -221,11 +221,25 @@ def sbm_attention_core(
     return out, stats
 
 
-def _kaiming_normal_per_head():
-    # fan_in = head_dim for a [heads, k, head_dim] tensor (the paper's per-head C).
-    return nn.initializers.variance_scaling(
-        2.0, "fan_in", "normal", in_axis=-1, out_axis=-2, batch_axis=(0,)
-    )
+CLUSTER_INITS = ("paper", "reference")
+
+
+def cluster_initializer(kind: str = "paper") -> nn.initializers.Initializer:
+    """Kaiming-normal init of the ``[heads, k, head_dim]`` cluster embeddings.
+
+    ``"paper"``: per head, fan-in ``head_dim`` (std ``sqrt(2 / d_h)``, 0.25 at 32).
+    ``"reference"``: PyTorch's kaiming_normal_ on the whole tensor, fan-in ``k * d_h``
+    (std ~0.022 at k=128, d_h=32), as the reference code does.
+    """
+    if kind == "paper":
+        return nn.initializers.variance_scaling(
+            2.0, "fan_in", "normal", in_axis=-1, out_axis=-2, batch_axis=(0,)
+        )
+    if kind == "reference":
+        return nn.initializers.variance_scaling(
+            2.0, "fan_in", "normal", in_axis=(-2, -1), out_axis=0
+        )
+    raise ValueError(f"cluster_init={kind!r} is not one of {CLUSTER_INITS}")
 
 
 @register("sbm")
@@ -252,6 +266,7 @@ class SBMAttention(nn.Module):
         this; otherwise draws above the largest bucket overflow (and are recorded).
       kernel: edge-attention implementation for the sparse path (see
         :func:`sbm_jax.edge_ops.edge_attention`).
+      cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
     """
 
     num_heads: int
@@ -270,6 +285,7 @@ class SBMAttention(nn.Module):
     dense_below: int = 0
     max_dense_elements: int = 2**31
     kernel: str = "segment"
+    cluster_init: str = "paper"
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
@@ -291,6 +307,8 @@ class SBMAttention(nn.Module):
             raise ValueError(f"capacity_buckets must be strictly increasing, got {buckets}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must lie in [0, 1), got {self.attention_dropout}")
+        if self.cluster_init not in CLUSTER_INITS:
+            raise ValueError(f"cluster_init={self.cluster_init!r} is not one of {CLUSTER_INITS}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 
@@ -315,7 +333,7 @@ class SBMAttention(nn.Module):
         kk = proj(name="key")(x)
         v = proj(name="value")(x)
 
-        clusters = self.param("clusters", _kaiming_normal_per_head(), (heads, k, hd))
+        clusters = self.param("clusters", cluster_initializer(self.cluster_init), (heads, k, hd))
         mlp_shape = (hd, hd) if self.shared_mlp else (heads, hd, hd)
         bias_shape = (hd,) if self.shared_mlp else (heads, hd)
         init = nn.initializers.lecun_normal()

@@ -1,0 +1,23 @@
+"""Attention mechanisms, each registered by the name configs use."""
+
+from sbm_jax.attention.registry import (
+    STATS_COLLECTION,
+    available,
+    build_attention,
+    get_attention,
+    register,
+)
+
+__all__ = ["STATS_COLLECTION", "available", "build_attention", "get_attention", "register"]
+from sbm_jax.attention import (
+    full,  # noqa: F401
+    linear,  # noqa: F401
+    linformer,  # noqa: F401
+    local,  # noqa: F401
+    nystromformer,  # noqa: F401
+    performer,  # noqa: F401
+    reformer,  # noqa: F401
+    sbm,  # noqa: F401
+    sparse_patterns,  # noqa: F401
+    tsa,  # noqa: F401
+)

@@ -1,0 +1,87 @@
+"""Build models from a config's ``model`` section (an ``ml_collections.ConfigDict``).
+
+Fields read (each documented where a config file sets it):
+``vocab_size, max_len, emb_dim, num_layers, num_heads, head_dim, mlp_dim, attention,
+attention_options, dropout, attention_dropout, pooling, classifier_dim, num_classes,
+dtype`` and, for token heads, ``token_head_dim`` (optional, default 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from sbm_jax.models.encoder import Encoder
+from sbm_jax.models.heads import (
+    ClassificationHead,
+    DualEncoderClassifier,
+    SequenceClassifier,
+    TokenClassifier,
+    TokenHead,
+)
+
+HEAD_KINDS = ("classification", "token", "dual_encoder")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def model_dtype(name: str) -> Any:
+    """Config dtype name -> jnp dtype; the error names ``model.dtype``."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"model.dtype={name!r} must be one of {sorted(_DTYPES)}") from None
+
+
+def _options(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ValueError(f"model.attention_options must be a mapping, got {type(value).__name__}")
+
+
+def build_encoder(model: Any) -> Encoder:
+    """An ``Encoder`` configured from the ``model`` config section."""
+    return Encoder(
+        vocab_size=int(model.vocab_size),
+        max_len=int(model.max_len),
+        emb_dim=int(model.emb_dim),
+        num_layers=int(model.num_layers),
+        num_heads=int(model.num_heads),
+        head_dim=int(model.head_dim),
+        mlp_dim=int(model.mlp_dim),
+        attention=str(model.attention),
+        attention_options=_options(model.get("attention_options")),
+        dropout=float(model.dropout),
+        attention_dropout=float(model.attention_dropout),
+        pooling=str(model.pooling),
+        dtype=model_dtype(str(model.get("dtype", "float32"))),
+    )
+
+
+def build_model(model: Any, head: str) -> nn.Module:
+    """Encoder plus the ``head`` a task asks for ("classification", "token", "dual_encoder")."""
+    encoder = build_encoder(model)
+    dtype = encoder.dtype
+    if head == "classification":
+        return SequenceClassifier(
+            encoder=encoder,
+            head=ClassificationHead(int(model.classifier_dim), int(model.num_classes), dtype),
+        )
+    if head == "dual_encoder":
+        return DualEncoderClassifier(
+            encoder=encoder,
+            head=ClassificationHead(int(model.classifier_dim), int(model.num_classes), dtype),
+        )
+    if head == "token":
+        return TokenClassifier(
+            encoder=encoder,
+            head=TokenHead(int(model.num_classes), int(model.get("token_head_dim", 0)), dtype),
+        )
+    raise ValueError(f"head {head!r} is not one of {HEAD_KINDS}")

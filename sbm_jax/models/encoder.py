@@ -1,0 +1,187 @@
+"""Transformer encoder whose attention mechanism comes from the registry.
+
+``Encoder``: token + learned position embeddings, ``num_layers`` pre-LN blocks
+(LN -> attention -> dropout -> residual, LN -> MLP(GELU) -> dropout -> residual), and a
+final LN. With ``pooling="cls"`` a learned CLS vector is prepended (position 0) and its
+output is the sequence representation; with ``"mean"`` the real tokens' outputs are
+averaged. Padded positions never influence real positions: attention masks them (by the
+registry contract) and every other layer acts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.attention import build_attention
+
+Array = jax.Array
+
+POOLING_MODES = ("mean", "cls", "none")
+
+
+def masked_mean_pool(x: Array, mask: Array) -> Array:
+    """Mean of ``x [batch, length, dim]`` over positions where ``mask [batch, length]``.
+
+    Returns [batch, dim]; a row without real tokens gives zeros.
+    """
+    chex.assert_rank(x, 3)
+    chex.assert_shape(mask, x.shape[:2])
+    total = jnp.sum(jnp.where(mask[..., None], x, 0.0), axis=1)  # [batch, dim]
+    count = jnp.sum(mask, axis=1, dtype=jnp.float32)[:, None]  # [batch, 1]
+    return (total / jnp.maximum(count, 1.0)).astype(x.dtype)
+
+
+class MlpBlock(nn.Module):
+    """Dense(mlp_dim) -> GELU -> dropout -> Dense(out_dim), applied per token."""
+
+    mlp_dim: int
+    out_dim: int
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, *, deterministic: bool) -> Array:
+        """x [..., dim] -> [..., out_dim]."""
+        h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
+        h = nn.gelu(h)
+        h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
+        return nn.Dense(self.out_dim, dtype=self.dtype, name="fc2")(h)
+
+
+class EncoderBlock(nn.Module):
+    """One pre-LN transformer block with a registry attention mechanism."""
+
+    emb_dim: int
+    num_heads: int
+    head_dim: int
+    mlp_dim: int
+    attention: str
+    attention_options: Mapping[str, Any] | None = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+        """x [batch, length, emb_dim], mask [batch, length] -> [batch, length, emb_dim]."""
+        chex.assert_shape(x, (None, None, self.emb_dim))
+        h = nn.LayerNorm(dtype=self.dtype, name="ln_attention")(x)
+        attention = build_attention(
+            self.attention,
+            options=dict(self.attention_options or {}),
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            out_dim=self.emb_dim,
+            attention_dropout=self.attention_dropout,
+            dtype=self.dtype,
+            parent=None,  # built detached, then adopted under a fixed name
+        ).clone(parent=self, name="attention")
+        h = attention(h, mask, deterministic=deterministic)
+        chex.assert_equal_shape((h, x))
+        h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
+        x = x + h
+        h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
+        h = MlpBlock(self.mlp_dim, self.emb_dim, self.dropout, self.dtype, name="mlp")(
+            h, deterministic=deterministic
+        )
+        h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
+        return x + h
+
+
+class Encoder(nn.Module):
+    """Embeddings, ``num_layers`` pre-LN blocks and a final LayerNorm.
+
+    Attributes:
+      vocab_size: number of token ids (id 0 is conventionally padding).
+      max_len: longest sequence the position table covers (without the CLS slot).
+      emb_dim: model width.
+      num_layers: number of blocks.
+      num_heads, head_dim: attention heads and per-head width.
+      mlp_dim: hidden width of the MLP.
+      attention: registry name of the attention mechanism.
+      attention_options: that mechanism's own options.
+      dropout: dropout after embeddings, attention and MLP.
+      attention_dropout: dropout on attention weights.
+      pooling: "mean", "cls" or "none"; "cls" prepends a learned CLS vector.
+      dtype: compute dtype.
+    """
+
+    vocab_size: int
+    max_len: int
+    emb_dim: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    mlp_dim: int
+    attention: str = "full"
+    attention_options: Mapping[str, Any] | None = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    pooling: str = "mean"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, inputs: Array, mask: Array, *, deterministic: bool
+    ) -> tuple[Array, Array, Array | None]:
+        """Encode token ids.
+
+        Args:
+          inputs: int token ids [batch, length].
+          mask: bool [batch, length], True for real tokens.
+          deterministic: disables dropout (SBM graph sampling stays on).
+
+        Returns:
+          (tokens [batch, length, emb_dim] for the input positions,
+           mask [batch, length],
+           pooled [batch, emb_dim], or None when ``pooling="none"``).
+        """
+        chex.assert_rank(inputs, 2)
+        chex.assert_shape(mask, inputs.shape)
+        chex.assert_type(inputs, int)
+        if self.pooling not in POOLING_MODES:
+            raise ValueError(f"model.pooling={self.pooling!r} must be one of {POOLING_MODES}")
+        batch, length = inputs.shape
+        if length > self.max_len:
+            raise ValueError(
+                f"model.max_len={self.max_len} is shorter than the input length {length}"
+            )
+        mask = mask.astype(jnp.bool_)
+        init = nn.initializers.normal(stddev=0.02)
+        x = nn.Embed(self.vocab_size, self.emb_dim, embedding_init=init, name="token_embed")(inputs)
+        positions = nn.Embed(self.max_len, self.emb_dim, embedding_init=init, name="pos_embed")
+        x = x + positions(jnp.arange(length))[None]
+        full_mask = mask
+        if self.pooling == "cls":
+            cls = self.param("cls", init, (1, 1, self.emb_dim))
+            x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, self.emb_dim)), x], axis=1)
+            full_mask = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), mask], axis=1)
+        x = x.astype(self.dtype)
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        for layer in range(self.num_layers):
+            x = EncoderBlock(
+                emb_dim=self.emb_dim,
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                mlp_dim=self.mlp_dim,
+                attention=self.attention,
+                attention_options=self.attention_options,
+                dropout=self.dropout,
+                attention_dropout=self.attention_dropout,
+                dtype=self.dtype,
+                name=f"block_{layer}",
+            )(x, full_mask, deterministic=deterministic)
+        x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
+        if self.pooling == "cls":
+            pooled, tokens = x[:, 0], x[:, 1:]
+        else:
+            tokens = x
+            pooled = masked_mean_pool(x, mask) if self.pooling == "mean" else None
+        chex.assert_shape(tokens, (batch, length, self.emb_dim))
+        return tokens, mask, pooled

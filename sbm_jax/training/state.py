@@ -1,0 +1,73 @@
+"""Train state, optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+from flax.training import train_state
+
+from sbm_jax.training.task import Batch, Task
+
+Array = jax.Array
+
+
+class TrainState(train_state.TrainState):
+    """Flax ``TrainState`` plus the base PRNG key.
+
+    The key for step ``s`` is ``fold_in(rng, s)``, so the state alone determines every
+    later step: a loop restarted from a saved state reproduces an uninterrupted run.
+    """
+
+    rng: Array
+
+
+def learning_rate_schedule(train: Any) -> optax.Schedule:
+    """Linear warm-up from 0 to ``learning_rate`` over ``warmup_steps``, then linear decay
+    to ``learning_rate * end_learning_rate_factor`` at ``num_steps``."""
+    peak = float(train.learning_rate)
+    warmup = int(train.warmup_steps)
+    total = int(train.num_steps)
+    end = peak * float(train.end_learning_rate_factor)
+    warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
+    decay = optax.linear_schedule(peak, end, max(total - warmup, 1))
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([warm, decay], [warmup])
+
+
+def make_optimizer(train: Any) -> optax.GradientTransformation:
+    """AdamW with the schedule above and optional global-norm clipping."""
+    adamw = optax.adamw(
+        learning_rate_schedule(train),
+        b1=float(train.b1),
+        b2=float(train.b2),
+        weight_decay=float(train.weight_decay),
+    )
+    if float(train.grad_clip_norm) > 0:
+        return optax.chain(optax.clip_by_global_norm(float(train.grad_clip_norm)), adamw)
+    return adamw
+
+
+def init_params(model: nn.Module, task: Task, batch: Batch, rng: Array) -> Any:
+    """Model parameters from one example batch (only the ``params`` collection)."""
+    params_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
+    variables = jax.jit(
+        lambda b: model.init(
+            {"params": params_rng, "sample": sample_rng, "dropout": dropout_rng},
+            **task.model_inputs(b),
+            deterministic=True,
+        )
+    )(batch)
+    return variables["params"]
+
+
+def create_train_state(config: Any, model: nn.Module, task: Task, batch: Batch) -> TrainState:
+    """A fresh ``TrainState`` from ``config.seed``, initialised on ``batch``."""
+    init_rng, step_rng = jax.random.split(jax.random.PRNGKey(int(config.seed)))
+    params = init_params(model, task, batch, init_rng)
+    return TrainState.create(
+        apply_fn=model.apply, params=params, tx=make_optimizer(config.train), rng=step_rng
+    )

@@ -1,0 +1,115 @@
+"""Config presets and start-up validation: every message names its field."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from configs import synthetic as synthetic_config
+from sbm_jax.attention import available
+from sbm_jax.training import ConfigError, prepare_output_dir, validate_config
+
+
+def base():
+    return synthetic_config.get_config("full,smoke")
+
+
+def test_presets_parse_and_validate():
+    for arg in ("full", "full,quick", "smoke,full", "full,paper"):
+        config = synthetic_config.get_config(arg)
+        validate_config(config, head="token", device_count=1)
+    if "sbm" in available():
+        for arg in ("sbm", "sbm_poisson", "quick", "smoke", "sbm,quick", "sbm_poisson,smoke"):
+            config = synthetic_config.get_config(arg)
+            validate_config(config, head="token", device_count=1)
+            assert config.model.attention == "sbm"
+        assert (
+            synthetic_config.get_config("sbm_poisson").model.attention_options.edge_law == "poisson"
+        )
+        assert synthetic_config.get_config("sbm").model.attention_options.edge_law == "bernoulli"
+    with pytest.raises(ValueError, match="unknown preset 'bogus'"):
+        synthetic_config.get_config("full,bogus")
+
+
+def test_paper_preset_matches_the_paper():
+    config = synthetic_config.get_config("sbm")
+    assert config.task.seq_len == 256 and config.model.vocab_size == 257
+    assert (config.model.num_layers, config.model.num_heads, config.model.emb_dim) == (1, 1, 32)
+    assert config.model.attention_options.num_clusters == 128
+    assert (config.train.batch_size, config.train.num_steps) == (256, 2000)
+    assert config.train.learning_rate == 1e-3 and config.model.dropout == 0.0
+
+
+def test_seq_len_override_carries_to_vocab_and_positions():
+    config = base()
+    config.task.seq_len = 40
+    assert config.model.vocab_size == 41 and config.model.max_len == 40
+
+
+def expect_error(config, field, **kwargs):
+    kwargs.setdefault("device_count", 1)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_config(config, head="token", **kwargs)
+
+
+def test_unknown_mechanism_names_model_attention():
+    config = base()
+    config.model.attention = "softmaxx"
+    expect_error(config, "model.attention='softmaxx'")
+
+
+def test_unknown_attention_option_names_it():
+    config = base()
+    config.model.attention_options = {"num_clusters": 3}
+    expect_error(config, "model.attention_options.num_clusters")
+
+
+def test_heads_times_head_dim_must_equal_width():
+    config = base()
+    config.model.head_dim = 5
+    expect_error(config, "model.head_dim=5")
+
+
+def test_batch_not_multiple_of_devices_names_train_batch_size():
+    config = base()
+    config.train.batch_size = 10
+    expect_error(config, "train.batch_size=10", device_count=4)
+    validate_config(config, head="token", device_count=2)  # 10 = 5 x 2 is fine
+
+
+def test_other_bad_fields_are_named():
+    cases = [
+        ("model", "dropout", 1.5, "model.dropout"),
+        ("model", "pooling", "max", "model.pooling"),
+        ("model", "dtype", "float8", "model.dtype"),
+        ("model", "num_layers", 0, "model.num_layers"),
+        ("train", "learning_rate", -1.0, "train.learning_rate"),
+        ("train", "warmup_steps", 10_000, "train.warmup_steps"),
+        ("train", "density_lambda", -0.1, "train.density_lambda"),
+        ("train", "num_steps", 0, "train.num_steps"),
+    ]
+    for section, name, value, field in cases:
+        config = base()
+        config[section][name] = value
+        expect_error(config, field)
+    config = base()
+    expect_error(config, "task.name='synthetic'", known_tasks=["listops"])
+
+
+def test_all_errors_are_reported_together():
+    config = base()
+    config.model.attention = "nope"
+    config.train.learning_rate = 0.0
+    with pytest.raises(ConfigError) as info:
+        validate_config(config, device_count=1)
+    assert "model.attention" in str(info.value) and "train.learning_rate" in str(info.value)
+
+
+def test_output_dir_that_cannot_be_created_names_output_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="output_dir="):
+        prepare_output_dir(str(blocker / "run"))
+    made = prepare_output_dir(str(tmp_path / "a" / "b"))
+    assert os.path.isdir(made)
