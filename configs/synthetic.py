@@ -45,7 +45,8 @@ def sbm_options(edge_law: str) -> ml_collections.ConfigDict:
     options.self_loops = False  # add (i, i) for every real token (the theory variant)
     options.shared_mlp = False  # one query/key MLP for all heads (reference code) vs per head
     options.impl = "auto"  # "auto", "sparse" (edge lists) or "dense" (n x n probabilities)
-    options.dense_below = 0  # "auto" takes the dense path when length**2 <= this
+    options.dense_below = 128 * 128  # "auto" takes the dense path when length**2 <= this
+    options.edge_cost = 8.0  # "auto": skip buckets whose edges x edge_cost >= length**2
     options.cluster_init = "paper"  # C init: "paper" (fan-in d_h) or "reference" (fan-in k*d_h)
     return options
 
@@ -80,6 +81,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.num_classes = 2  # repeated or not, softmax cross-entropy per token
     config.model.token_head_dim = 0  # 0: the token head is one Dense layer
     config.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+    config.model.remat = False  # recompute each block in the backward pass (saves memory)
+    # Sparse Transformer init: attention out and MLP fc2 kernels x 1/sqrt(2 * num_layers)
+    config.model.scaled_residual_init = False
     if mechanism == "full":
         config.model.attention = "full"  # registry name of the attention mechanism
         config.model.attention_options = ml_collections.ConfigDict()  # full has no options

@@ -118,6 +118,24 @@ def test_layer_picks_smallest_bucket_that_fits():
     assert len(seen) >= 2, "the test should exercise more than one bucket"
 
 
+def test_auto_cost_model_skips_costly_buckets():
+    rng = np.random.default_rng(1)
+    memb = jnp.asarray(rng.random((B, 2, L, 3)), jnp.float32)
+    block = jnp.full((2, 3, 3), 1 / 9, jnp.float32)
+    qkv = jnp.asarray(rng.normal(size=(B, 2, L, 4)), jnp.float32)
+
+    def path(**kw):
+        _, st = sbm_attention_core(
+            jax.random.PRNGKey(0), qkv, qkv, qkv, memb, block, memb, MASK, delta=0.0, **kw
+        )
+        return int(st["path"])
+
+    buckets = (1 / 32, 1 / 8)
+    # Short sequences go dense; so do buckets whose edges cost more than n*m pairs.
+    assert path(impl="auto", capacity_buckets=buckets, dense_below=L * L) == 2
+    assert path(impl="auto", capacity_buckets=buckets, dense_below=0, edge_cost=1e6) == 2
+
+
 def _mean_density(impl: str, law: str, trials: int):
     mod = _module(impl=impl, edge_law=law, delta=0.05)
     x = _x()

@@ -155,6 +155,7 @@ def sbm_attention_core(
     self_loops: bool = False,
     window: int = 0,
     dense_below: int = 0,
+    edge_cost: float = 1.0,
     max_dense_elements: int = 2**31,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -170,7 +171,12 @@ def sbm_attention_core(
     check_law(law)
     batch, heads, length, _ = q.shape
     caps = bucket_capacities(capacity_buckets, length, length)
+    dense_index = len(caps)  # the recorded path of the dense branch
     dense_allowed = batch * heads * length * length <= max_dense_elements
+    if impl == "auto" and dense_allowed:
+        # Cost model: a sparse bucket runs only where its edges cost less than the dense
+        # path's n*m pairs; costlier buckets are left to the dense path.
+        caps = tuple(c for c in caps if c * edge_cost < length * length)
     if impl == "dense" and not dense_allowed:
         raise ValueError(
             f"impl='dense' needs batch*heads*n*m = {batch * heads * length * length} mask "
@@ -197,10 +203,12 @@ def sbm_attention_core(
     operands = (sample_keys, drop_keys, plans, counts, q, k, v)
 
     dense_fn = _over_batch_and_heads(partial(_dense_head, **common))
-    use_dense_only = impl == "dense" or (impl == "auto" and length * length <= dense_below)
+    use_dense_only = impl == "dense" or (
+        impl == "auto" and dense_allowed and (length * length <= dense_below or not caps)
+    )
     if use_dense_only:
         out, density, edges, overflow = dense_fn(*operands)
-        path = jnp.asarray(len(caps), jnp.int32)
+        path = jnp.asarray(dense_index, jnp.int32)
     else:
         branches = [
             jax.checkpoint(
@@ -209,7 +217,7 @@ def sbm_attention_core(
             for c in caps
         ]
         force_dense = jnp.any(needs_dense(plans, law))
-        path = choose_bucket(counts, caps, force_dense)
+        path = choose_bucket(counts, caps, force_dense)  # caps are a prefix of the buckets
         if dense_allowed:
             branches.append(jax.checkpoint(dense_fn))
         else:
@@ -217,6 +225,7 @@ def sbm_attention_core(
         out, density, edges, overflow = jax.lax.switch(
             path, [lambda ops, f=f: f(*ops) for f in branches], operands
         )
+    path = jnp.where(path == len(caps), dense_index, path)
     stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
     return out, stats
 
@@ -262,6 +271,9 @@ class SBMAttention(nn.Module):
       window: if > 0, union a local window ``|i - j| <= window // 2`` with the graph.
       dense_below: with ``impl="auto"``, sequences with ``n*m`` at or below this always
         take the dense path (sparse bookkeeping costs more there).
+      edge_cost: with ``impl="auto"``, the cost of one sampled edge relative to one pair
+        of the dense path; buckets with ``capacity * edge_cost >= n*m`` are skipped, so
+        such batches run dense. Calibrate per backend with scripts/benchmark_attention.py.
       max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
         this; otherwise draws above the largest bucket overflow (and are recorded).
       kernel: edge-attention implementation for the sparse path (see
@@ -282,7 +294,8 @@ class SBMAttention(nn.Module):
     capacity_buckets: tuple[float, ...] = (1 / 64, 1 / 16, 1 / 4)
     impl: str = "auto"
     window: int = 0
-    dense_below: int = 0
+    dense_below: int = 128 * 128
+    edge_cost: float = 8.0
     max_dense_elements: int = 2**31
     kernel: str = "segment"
     cluster_init: str = "paper"
@@ -309,6 +322,8 @@ class SBMAttention(nn.Module):
             raise ValueError(f"attention_dropout must lie in [0, 1), got {self.attention_dropout}")
         if self.cluster_init not in CLUSTER_INITS:
             raise ValueError(f"cluster_init={self.cluster_init!r} is not one of {CLUSTER_INITS}")
+        if self.edge_cost <= 0:
+            raise ValueError(f"edge_cost must be > 0, got {self.edge_cost}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 
@@ -375,6 +390,7 @@ class SBMAttention(nn.Module):
             self_loops=self.self_loops,
             window=self.window,
             dense_below=self.dense_below,
+            edge_cost=self.edge_cost,
             max_dense_elements=self.max_dense_elements,
             dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
