@@ -3,7 +3,9 @@
 Fields read (each documented where a config file sets it):
 ``vocab_size, max_len, emb_dim, num_layers, num_heads, head_dim, mlp_dim, attention,
 attention_options, dropout, attention_dropout, pooling, classifier_dim, num_classes,
-dtype`` and, for token heads, ``token_head_dim`` (optional, default 0).
+dtype`` and, for token heads, ``token_head_dim`` (optional, default 0); optional
+``remat`` and ``scaled_residual_init`` (default False, the Sparse Transformer's
+training aids, see ``sbm_jax.models.encoder``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ def _options(value: Any) -> dict[str, Any]:
     raise ValueError(f"model.attention_options must be a mapping, got {type(value).__name__}")
 
 
+def _flag(model: Any, name: str) -> bool:
+    """Optional boolean ``model.<name>`` (default False); anything else names the field."""
+    value = model.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"model.{name}={value!r} must be True or False")
+    return value
+
+
 def build_encoder(model: Any) -> Encoder:
     """An ``Encoder`` configured from the ``model`` config section."""
     return Encoder(
@@ -62,6 +72,8 @@ def build_encoder(model: Any) -> Encoder:
         attention_dropout=float(model.attention_dropout),
         pooling=str(model.pooling),
         dtype=model_dtype(str(model.get("dtype", "float32"))),
+        remat=_flag(model, "remat"),
+        scaled_residual_init=_flag(model, "scaled_residual_init"),
     )
 
 

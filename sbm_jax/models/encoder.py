@@ -6,10 +6,26 @@ final LN. With ``pooling="cls"`` a learned CLS vector is prepended (position 0) 
 output is the sequence representation; with ``"mean"`` the real tokens' outputs are
 averaged. Padded positions never influence real positions: attention masks them (by the
 registry contract) and every other layer acts per token.
+
+Two training aids of the Sparse Transformer (Child et al. 2019, sec. 5.2-5.3), usable
+with every registered mechanism:
+
+* ``remat=True``: each block runs under ``nn.remat``, so its activations (attention
+  weights included) are recomputed in the backward pass instead of stored. Parameters,
+  loss and gradients are unchanged; memory falls, compute rises by about one forward.
+* ``scaled_residual_init=True``: the two projections that write into the residual
+  stream, the attention's output projection (the submodule named ``out`` that every
+  mechanism has) and the MLP's second layer ``fc2``, start scaled by
+  ``1 / sqrt(2 * num_layers)``. For a dense ``out`` the kernel is scaled; for a
+  tensor-train ``out`` (TSA) the first core is, which scales the rebuilt matrix by the
+  same factor. Biases (zero at init) and every other parameter are untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +39,45 @@ from sbm_jax.attention import build_attention
 Array = jax.Array
 
 POOLING_MODES = ("mean", "cls", "none")
+
+# The submodule of every registered mechanism that projects its heads back to the model
+# width: the attention's residual output projection.
+OUTPUT_PROJECTION = "out"
+
+
+def scaled_residual_factor(num_layers: int) -> float:
+    """The Sparse Transformer's residual-projection init factor ``1 / sqrt(2 * num_layers)``."""
+    if num_layers < 1:
+        raise ValueError(f"model.num_layers={num_layers!r} must be >= 1")
+    return 1.0 / math.sqrt(2.0 * num_layers)
+
+
+def scale_output_projection(variables: Any, *, scale: float, attention: str) -> Any:
+    """Multiply the attention's output projection by ``scale`` in a ``{"params": ...}`` tree.
+
+    A dense projection (``kernel``) has its kernel scaled; a tensor-train projection
+    (``core_0``, ``core_1``, ...) has its first core scaled, which scales the matrix the
+    cores represent by ``scale``. Biases are left alone.
+    """
+    params = dict(variables.get("params", {}))
+    out = params.get(OUTPUT_PROJECTION)
+    if out is None:
+        raise ValueError(
+            f"model.scaled_residual_init needs attention {attention!r} to name its output "
+            f"projection {OUTPUT_PROJECTION!r}; its parameters are {sorted(params)}"
+        )
+    out = dict(out)
+    if "kernel" in out:
+        out["kernel"] = out["kernel"] * scale
+    elif "core_0" in out:
+        out["core_0"] = out["core_0"] * scale
+    else:
+        raise ValueError(
+            f"model.scaled_residual_init: the output projection of attention {attention!r} "
+            f"has neither a 'kernel' nor TT cores; its parameters are {sorted(out)}"
+        )
+    params[OUTPUT_PROJECTION] = out
+    return {**variables, "params": params}
 
 
 def masked_mean_pool(x: Array, mask: Array) -> Array:
@@ -38,12 +93,16 @@ def masked_mean_pool(x: Array, mask: Array) -> Array:
 
 
 class MlpBlock(nn.Module):
-    """Dense(mlp_dim) -> GELU -> dropout -> Dense(out_dim), applied per token."""
+    """Dense(mlp_dim) -> GELU -> dropout -> Dense(out_dim), applied per token.
+
+    ``out_init_scale`` multiplies the LeCun-normal init of the second layer's kernel.
+    """
 
     mlp_dim: int
     out_dim: int
     dropout: float = 0.0
     dtype: Any = jnp.float32
+    out_init_scale: float = 1.0
 
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool) -> Array:
@@ -51,11 +110,18 @@ class MlpBlock(nn.Module):
         h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
         h = nn.gelu(h)
         h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
-        return nn.Dense(self.out_dim, dtype=self.dtype, name="fc2")(h)
+        init = nn.initializers.variance_scaling(
+            self.out_init_scale**2, "fan_in", "truncated_normal"
+        )  # scale 1: flax's default lecun_normal
+        return nn.Dense(self.out_dim, dtype=self.dtype, kernel_init=init, name="fc2")(h)
 
 
 class EncoderBlock(nn.Module):
-    """One pre-LN transformer block with a registry attention mechanism."""
+    """One pre-LN transformer block with a registry attention mechanism.
+
+    ``residual_init_scale`` (1.0: off) scales the initial attention output projection
+    and MLP second layer (see the module docstring).
+    """
 
     emb_dim: int
     num_heads: int
@@ -66,10 +132,14 @@ class EncoderBlock(nn.Module):
     dropout: float = 0.0
     attention_dropout: float = 0.0
     dtype: Any = jnp.float32
+    residual_init_scale: float = 1.0
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
-        """x [batch, length, emb_dim], mask [batch, length] -> [batch, length, emb_dim]."""
+    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
+        """x [batch, length, emb_dim], mask [batch, length] -> [batch, length, emb_dim].
+
+        ``deterministic`` may be passed by position (``nn.remat`` marks it static).
+        """
         chex.assert_shape(x, (None, None, self.emb_dim))
         h = nn.LayerNorm(dtype=self.dtype, name="ln_attention")(x)
         attention = build_attention(
@@ -81,15 +151,44 @@ class EncoderBlock(nn.Module):
             attention_dropout=self.attention_dropout,
             dtype=self.dtype,
             parent=None,  # built detached, then adopted under a fixed name
-        ).clone(parent=self, name="attention")
+        )
+        if self.residual_init_scale != 1.0 and self.is_initializing():
+            # Same module and parameter tree; only the freshly created output projection
+            # is scaled. With init=True, map_variables creates the params, then passes
+            # them once through trans_in_fn before the run whose params it returns, so
+            # the scaling sits there (trans_out_fn would run twice: on creation and at
+            # the end). Applying the model later uses the plain module: no mapping.
+            scaled_cls = nn.map_variables(
+                type(attention),
+                "params",
+                trans_in_fn=functools.partial(
+                    scale_output_projection,
+                    scale=self.residual_init_scale,
+                    attention=self.attention,
+                ),
+                init=True,
+            )
+            fields = {
+                f.name: getattr(attention, f.name)
+                for f in dataclasses.fields(attention)
+                if f.init and f.name not in ("parent", "name")
+            }
+            attention = scaled_cls(**fields, parent=self, name="attention")
+        else:
+            attention = attention.clone(parent=self, name="attention")
         h = attention(h, mask, deterministic=deterministic)
         chex.assert_equal_shape((h, x))
         h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
         x = x + h
         h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-        h = MlpBlock(self.mlp_dim, self.emb_dim, self.dropout, self.dtype, name="mlp")(
-            h, deterministic=deterministic
-        )
+        h = MlpBlock(
+            self.mlp_dim,
+            self.emb_dim,
+            self.dropout,
+            self.dtype,
+            out_init_scale=self.residual_init_scale,
+            name="mlp",
+        )(h, deterministic=deterministic)
         h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
         return x + h
 
@@ -110,6 +209,9 @@ class Encoder(nn.Module):
       attention_dropout: dropout on attention weights.
       pooling: "mean", "cls" or "none"; "cls" prepends a learned CLS vector.
       dtype: compute dtype.
+      remat: recompute each block's activations in the backward pass (``nn.remat``).
+      scaled_residual_init: scale the initial residual output projections (attention
+        ``out`` and MLP ``fc2``) by ``1 / sqrt(2 * num_layers)``.
     """
 
     vocab_size: int
@@ -125,6 +227,8 @@ class Encoder(nn.Module):
     attention_dropout: float = 0.0
     pooling: str = "mean"
     dtype: Any = jnp.float32
+    remat: bool = False
+    scaled_residual_init: bool = False
 
     @nn.compact
     def __call__(
@@ -164,8 +268,11 @@ class Encoder(nn.Module):
             full_mask = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), mask], axis=1)
         x = x.astype(self.dtype)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        scale = scaled_residual_factor(self.num_layers) if self.scaled_residual_init else 1.0
+        # static_argnums counts self as 0: (x, mask, deterministic) are 1, 2, 3.
+        block_cls = nn.remat(EncoderBlock, static_argnums=(3,)) if self.remat else EncoderBlock
         for layer in range(self.num_layers):
-            x = EncoderBlock(
+            x = block_cls(
                 emb_dim=self.emb_dim,
                 num_heads=self.num_heads,
                 head_dim=self.head_dim,
@@ -175,8 +282,9 @@ class Encoder(nn.Module):
                 dropout=self.dropout,
                 attention_dropout=self.attention_dropout,
                 dtype=self.dtype,
+                residual_init_scale=scale,
                 name=f"block_{layer}",
-            )(x, full_mask, deterministic=deterministic)
+            )(x, full_mask, deterministic)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
         if self.pooling == "cls":
             pooled, tokens = x[:, 0], x[:, 1:]

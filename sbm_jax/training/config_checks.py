@@ -59,6 +59,9 @@ def check_model(model: Any, errors: list[str]) -> None:
                 f"model.head_dim={head_dim} times model.num_heads={heads} is {heads * head_dim}, "
                 f"but must equal model.emb_dim={emb_dim}"
             )
+    for name in ("remat", "scaled_residual_init"):  # optional flags, default False
+        if not isinstance(model.get(name, False), bool):
+            errors.append(f"model.{name}={model.get(name)!r} must be True or False")
     if model.get("pooling") not in POOLING_MODES:
         errors.append(f"model.pooling={model.get('pooling')!r} must be one of {POOLING_MODES}")
     try:
