@@ -1,0 +1,174 @@
+"""The masked-language-modelling task: corpus -> tokenizer -> packed sequences -> Task.
+
+Batch of training step ``s``: rows of the training sequences picked by an
+:class:`glue.data.EpochStream` (seed ``config.seed``), masked with
+``numpy.random.default_rng([seed, 1, s])``; held-out sequences are masked once with
+stream 2, so every evaluation scores the same corrupted tokens. Loss and accuracy are
+over the scored (masked) positions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from glue import corpus as corpus_lib
+from glue.data import EpochStream
+from glue.masking import mask_tokens
+from glue.models import mlm_model_inputs
+from glue.tokenizer import (
+    NUM_SPECIAL,
+    SpecialIds,
+    encode_texts,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+    train_tokenizer,
+)
+from sbm_jax.training.task import Batch, Task, classification_loss
+
+_TRAIN_STREAM = 1
+_EVAL_STREAM = 2
+
+
+def load_documents(config: Any) -> list[str]:
+    """Documents from ``data.corpus`` (local glob; ``--corpus``) or ``data.tfds_name``."""
+    data = config.data
+    if data.corpus:
+        docs = corpus_lib.read_local_corpus(str(data.corpus), flag="--corpus")
+    elif data.tfds_name:
+        docs = list(
+            corpus_lib.iter_tfds_corpus(
+                str(data.tfds_name),
+                str(data.tfds_split),
+                str(data.tfds_text_key),
+                data_dir=str(data.tfds_data_dir) or None,
+                max_documents=int(data.max_documents),
+                download=bool(data.tfds_download),
+            )
+        )
+    else:
+        raise ValueError("no corpus: pass --corpus=path/*.txt (data.corpus) or set data.tfds_name")
+    if int(data.max_documents) > 0:
+        docs = docs[: int(data.max_documents)]
+    return docs
+
+
+def prepare_tokenizer(
+    config: Any, documents: list[str], output_dir: str | None
+) -> tuple[Tokenizer, str | None]:
+    """Load ``data.tokenizer`` or train one on ``documents`` (``model.vocab_size``).
+
+    The tokenizer is saved as ``<output_dir>/tokenizer.json`` when ``output_dir`` is
+    given. Returns (tokenizer, saved path or None).
+    """
+    if config.data.tokenizer:
+        tokenizer = load_tokenizer(str(config.data.tokenizer), flag="--tokenizer")
+    else:
+        tokenizer = train_tokenizer(
+            documents,
+            int(config.model.vocab_size),
+            int(config.data.tokenizer_min_frequency),
+            field="model.vocab_size",
+        )
+    path = save_tokenizer(tokenizer, output_dir) if output_dir else None
+    return tokenizer, path
+
+
+@dataclasses.dataclass
+class MlmData:
+    """Packed sequences of a corpus.
+
+    Attributes:
+      train: int32 [num_train, max_len]; eval: int32 [num_eval, max_len].
+      special: special-token ids; vocab_size: tokenizer vocabulary size.
+      num_tokens: non-padding tokens in all sequences.
+    """
+
+    train: np.ndarray
+    eval: np.ndarray
+    special: SpecialIds
+    vocab_size: int
+    num_tokens: int
+
+
+def pack_corpus(config: Any, tokenizer: Tokenizer, documents: list[str]) -> MlmData:
+    """Tokenise, pack to ``data.max_len`` and hold out ``data.eval_fraction``."""
+    special = special_ids(tokenizer)
+    packed = corpus_lib.pack_sequences(
+        encode_texts(tokenizer, documents),
+        int(config.data.max_len),
+        special.cls,
+        special.sep,
+        special.pad,
+    )
+    rng = np.random.default_rng([int(config.seed), 0])
+    packed = packed[rng.permutation(len(packed))]
+    num_eval = int(round(float(config.data.eval_fraction) * len(packed)))
+    num_eval = min(max(num_eval, 1 if len(packed) > 1 else 0), int(config.data.eval_sequences_max))
+    return MlmData(
+        train=packed[num_eval:],
+        eval=packed[:num_eval],
+        special=special,
+        vocab_size=tokenizer.get_vocab_size(),
+        num_tokens=int(np.sum(packed != special.pad)),
+    )
+
+
+def _masking_kwargs(config: Any, data: MlmData) -> dict[str, Any]:
+    return {
+        "special_ids": data.special.as_tuple(),
+        "pad_id": data.special.pad,
+        "mask_id": data.special.mask,
+        "random_low": NUM_SPECIAL,
+        "random_high": data.vocab_size,
+        "max_predictions": int(config.data.max_predictions),
+        "mask_rate": float(config.data.mask_rate),
+        "mask_token_rate": float(config.data.mask_token_rate),
+        "random_token_rate": float(config.data.random_token_rate),
+    }
+
+
+def build_mlm_task_from_data(config: Any, data: MlmData) -> Task:
+    """The MLM ``Task`` over already packed sequences."""
+    if len(data.train) == 0:
+        raise ValueError("the corpus packs into no training sequences; give --corpus more text")
+    seed = int(config.seed)
+    batch_size = int(config.train.batch_size)
+    kwargs = _masking_kwargs(config, data)
+    stream = EpochStream(len(data.train), batch_size, seed)
+
+    def train_batches(start_step: int) -> Iterator[Batch]:
+        for step, idx in enumerate(stream.iterate(start_step), start=start_step):
+            yield mask_tokens(
+                np.random.default_rng([seed, _TRAIN_STREAM, step]), data.train[idx], **kwargs
+            )
+
+    eval_batches = None
+    if len(data.eval):
+        held_out = []
+        for i, start in enumerate(range(0, len(data.eval), batch_size)):
+            rows = np.arange(start, start + batch_size)
+            real = rows < len(data.eval)
+            rows = np.where(real, rows, rows % len(data.eval))  # pad by repeating real rows
+            batch = mask_tokens(
+                np.random.default_rng([seed, _EVAL_STREAM, i]), data.eval[rows], **kwargs
+            )
+            batch["weights"] = batch["weights"] * real[:, None]
+            held_out.append(batch)
+
+        def eval_batches() -> list[Batch]:
+            return held_out
+
+    return Task(
+        name="glue_mlm",
+        head="token",
+        train_batches=train_batches,
+        eval_batches=eval_batches,
+        loss_fn=classification_loss,
+        model_inputs=mlm_model_inputs,
+    )

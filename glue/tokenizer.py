@@ -1,0 +1,118 @@
+"""Byte-level BPE tokenizer (the ``tokenizers`` package) with the GLUE special tokens.
+
+Special tokens take the first ids, in this order: ``<pad>`` = 0 (the encoder's padding
+convention), ``<cls>`` = 1, ``<sep>`` = 2, ``<mask>`` = 3, ``<unk>`` = 4. A byte-level
+model starts from all 256 bytes, so ``<unk>`` never occurs in encoded text; it is kept
+so that the vocabulary layout matches RoBERTa's five special tokens (paper vocabulary
+50,265 = RoBERTa's). Ordinary tokens are ids ``NUM_SPECIAL .. vocab_size - 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+PAD, CLS, SEP, MASK, UNK = "<pad>", "<cls>", "<sep>", "<mask>", "<unk>"
+SPECIAL_TOKENS = (PAD, CLS, SEP, MASK, UNK)
+NUM_SPECIAL = len(SPECIAL_TOKENS)
+# 256 byte symbols plus the special tokens: the smallest byte-level vocabulary.
+MIN_VOCAB_SIZE = 256 + NUM_SPECIAL
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """Ids of the special tokens in a loaded tokenizer."""
+
+    pad: int
+    cls: int
+    sep: int
+    mask: int
+    unk: int
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (self.pad, self.cls, self.sep, self.mask, self.unk)
+
+
+def special_ids(tokenizer: Tokenizer) -> SpecialIds:
+    """The special-token ids; raises if the tokenizer lacks one of them."""
+    ids = []
+    for token in SPECIAL_TOKENS:
+        idx = tokenizer.token_to_id(token)
+        if idx is None:
+            raise ValueError(
+                f"tokenizer has no special token {token!r}; it must define {SPECIAL_TOKENS}"
+            )
+        ids.append(idx)
+    return SpecialIds(*ids)
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, field: str = "vocab_size"
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on ``texts``.
+
+    Args:
+      texts: documents (any iterable of strings).
+      vocab_size: target vocabulary size including the special tokens (at least
+        ``MIN_VOCAB_SIZE``); a small corpus may give fewer merges, so the result can be
+        smaller.
+      min_frequency: a pair must occur this often to be merged.
+      field: config field named in errors.
+
+    Returns:
+      The trained ``tokenizers.Tokenizer`` (special tokens at ids 0..4).
+    """
+    if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"{field}={vocab_size!r} must be an integer >= {MIN_VOCAB_SIZE} "
+            f"(256 bytes + {NUM_SPECIAL} special tokens)"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    special_ids(tokenizer)  # checks the layout
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str) -> str:
+    """Write ``<directory>/tokenizer.json``; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TOKENIZER_FILE)
+    tokenizer.save(path)
+    return path
+
+
+def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
+    """Load a ``tokenizer.json`` (or a directory holding one).
+
+    Args:
+      path: file path, or a directory containing ``tokenizer.json``.
+      flag: the command-line flag or config field named in errors.
+    """
+    if path and os.path.isdir(path):
+        path = os.path.join(path, TOKENIZER_FILE)
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}={path!r}: no tokenizer file there")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises plain Exception subclasses
+        raise ValueError(f"{flag}={path!r} is not a valid tokenizer.json: {e}") from None
+    special_ids(tokenizer)
+    return tokenizer
+
+
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens."""
+    return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]

@@ -1,0 +1,127 @@
+"""Render the paper's Table 4 (rows: mechanisms, columns: SST-2 / QQP / MNLI / QNLI F1)
+from ``glue.finetune`` summaries.
+
+  python scripts/glue_report.py runs/glue_*/summary.json [--paper] [--output=table.md]
+
+Each summary contributes its ``headline`` (F1 of the positive class for SST-2, QQP and
+QNLI; macro-F1 averaged over matched and mismatched validation for MNLI) to the cell of
+its ``mechanism`` and ``task``, as a percentage. Several runs of one cell are averaged and
+shown as mean ± standard deviation (n runs). ``--paper`` appends the published numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+TASKS = ("sst2", "qqp", "mnli", "qnli")
+TASK_HEADERS = {"sst2": "SST-2", "qqp": "QQP", "mnli": "MNLI", "qnli": "QNLI"}
+ROW_ORDER = (
+    "full",
+    "reformer",
+    "performer",
+    "linformer",
+    "nystromformer",
+    "sbm",
+    "sbm_nowindow",
+    "local",
+)
+ROW_LABELS = {
+    "full": "Full-attention",
+    "reformer": "Reformer",
+    "performer": "Performer",
+    "linformer": "Linformer",
+    "nystromformer": "Nyströmformer",
+    "sbm": "SBM-Transformer (+ window 64)",
+    "sbm_nowindow": "SBM-Transformer (no window)",
+    "local": "Local window 64",
+}
+# Table 4 of the paper (F1, %).
+PAPER = {
+    "full": (89.8, 84.7, 84.0, 85.0),
+    "reformer": (89.3, 84.4, 83.9, 84.0),
+    "performer": (82.0, 65.6, 71.4, 59.3),
+    "linformer": (82.0, 83.2, 79.3, 82.5),
+    "nystromformer": (89.7, 83.2, 84.1, 84.9),
+    "sbm": (89.8, 85.2, 83.5, 83.6),
+}
+
+
+def summary_paths(args: Iterable[str]) -> list[str]:
+    """Expand globs and directories (``<dir>/summary.json``) into summary files."""
+    paths: list[str] = []
+    for arg in args:
+        for match in sorted(glob.glob(arg)) or [arg]:
+            if os.path.isdir(match):
+                match = os.path.join(match, "summary.json")
+            if not os.path.isfile(match):
+                raise FileNotFoundError(f"summary {match!r} does not exist")
+            paths.append(match)
+    return paths
+
+
+def collect(summaries: Sequence[dict]) -> dict[str, dict[str, list[float]]]:
+    """{mechanism: {task: [headline %, ...]}}; a summary lacking a field is an error."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for s in summaries:
+        for key in ("mechanism", "task", "headline"):
+            if key not in s:
+                raise ValueError(f"summary of {s.get('name', '?')!r} lacks {key!r}")
+        if s["task"] not in TASKS:
+            raise ValueError(f"summary task {s['task']!r} is not one of {TASKS}")
+        cells.setdefault(str(s["mechanism"]), {}).setdefault(s["task"], []).append(
+            100.0 * float(s["headline"])
+        )
+    return cells
+
+
+def _cell(values: list[float] | None) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{np.mean(values):.1f} ± {np.std(values, ddof=1):.1f} ({len(values)})"
+
+
+def render_table(cells: dict[str, dict[str, list[float]]], with_paper: bool = False) -> str:
+    """Markdown table in Table 4's layout."""
+    header = "| Model | " + " | ".join(TASK_HEADERS[t] for t in TASKS) + " |"
+    lines = [header, "|" + "---|" * (len(TASKS) + 1)]
+    rows = [m for m in ROW_ORDER if m in cells] + sorted(m for m in cells if m not in ROW_ORDER)
+    for mechanism in rows:
+        label = ROW_LABELS.get(mechanism, mechanism)
+        values = [_cell(cells[mechanism].get(t)) for t in TASKS]
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+    if with_paper:
+        for mechanism, values in PAPER.items():
+            label = f"{ROW_LABELS[mechanism]} (paper)"
+            lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summaries", nargs="+", help="summary.json files, run dirs or globs")
+    parser.add_argument("--paper", action="store_true", help="append the paper's Table 4 rows")
+    parser.add_argument("--output", default="", help="also write the table to this file")
+    args = parser.parse_args(argv)
+    summaries = []
+    for path in summary_paths(args.summaries):
+        with open(path, encoding="utf-8") as f:
+            summaries.append(json.load(f))
+    table = render_table(collect(summaries), with_paper=args.paper)
+    sys.stdout.write(table)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

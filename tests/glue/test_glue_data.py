@@ -1,0 +1,87 @@
+"""Corpus reading, packing, pair joining, the tokenizer, batching and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glue.checkpoints import find_checkpoint_dir
+from glue.corpus import pack_sequences, read_local_corpus, split_documents
+from glue.data import EpochStream, join_pair, steps_for_epochs
+from glue.tokenizer import (
+    MIN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
+    SpecialIds,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+    train_tokenizer,
+)
+
+SPECIAL = SpecialIds(pad=0, cls=1, sep=2, mask=3, unk=4)
+
+
+def test_split_documents_on_blank_lines():
+    text = "first line\nsecond line\n\n  \nthird doc\r\n\r\nfourth\n\n\n"
+    assert split_documents(text) == ["first line second line", "third doc", "fourth"]
+
+
+def test_pack_sequences_layout():
+    docs = [[10, 11, 12], [20, 21], [30]]
+    packed = pack_sequences(docs, max_len=4, cls_id=1, sep_id=2, pad_id=0)
+    # Stream: 10 11 12 <sep> 20 21 <sep> 30 <sep>, cut into chunks of 3 after <cls>.
+    expected = [[1, 10, 11, 12], [1, 2, 20, 21], [1, 2, 30, 2]]
+    np.testing.assert_array_equal(packed, expected)
+    packed = pack_sequences([[5, 6, 7, 8]], max_len=4, cls_id=1, sep_id=2, pad_id=0)
+    np.testing.assert_array_equal(packed, [[1, 5, 6, 7], [1, 8, 2, 0]])
+
+
+def test_join_pair_truncates_longest_first():
+    assert join_pair([5, 6], None, 8, SPECIAL) == [1, 5, 6, 2]
+    assert join_pair([5, 6, 7, 8], None, 4, SPECIAL) == [1, 5, 6, 2]
+    assert join_pair([5, 6], [7], 8, SPECIAL) == [1, 5, 6, 2, 7, 2]
+    # Budget 8 - 3 = 5 for a (6 ids) + b (2 ids): a is cut to 3 first, then alternately.
+    assert join_pair([5, 6, 7, 8, 9, 10], [11, 12], 8, SPECIAL) == [1, 5, 6, 7, 2, 11, 12, 2]
+    assert join_pair([5, 6, 7], [8, 9, 10], 7, SPECIAL) == [1, 5, 6, 2, 8, 9, 2]
+
+
+def test_epoch_stream_visits_every_example_once_per_epoch():
+    stream = EpochStream(num_examples=10, batch_size=4, seed=3)
+    seen = np.concatenate([stream.indices(s) for s in range(5)])  # 20 = two epochs
+    assert sorted(seen[:10]) == list(range(10))
+    assert sorted(seen[10:]) == list(range(10))
+    # Restarting at a step gives the same batch.
+    np.testing.assert_array_equal(EpochStream(10, 4, 3).indices(3), stream.indices(3))
+    assert steps_for_epochs(100, 32, 5) == 16  # ceil(500 / 32)
+
+
+def test_tokenizer_train_save_load(tmp_path, corpus_glob):
+    docs = read_local_corpus(corpus_glob)
+    tokenizer = train_tokenizer(docs, 400)
+    assert special_ids(tokenizer) == SpecialIds(0, 1, 2, 3, 4)
+    assert MIN_VOCAB_SIZE < tokenizer.get_vocab_size() <= 400
+    path = save_tokenizer(tokenizer, str(tmp_path))
+    loaded = load_tokenizer(path)
+    text = "Attention über sparse graphs: 𝛿 = 0.01"
+    ids = loaded.encode(text, add_special_tokens=False).ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    assert all(i >= len(SPECIAL_TOKENS) for i in ids)  # byte-level: no <unk>
+    assert loaded.decode(ids).strip() == text
+    assert load_tokenizer(str(tmp_path)).get_vocab_size() == tokenizer.get_vocab_size()
+
+
+def test_errors_name_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--corpus="):
+        read_local_corpus(str(tmp_path / "nothing" / "*.txt"))
+    with pytest.raises(FileNotFoundError, match="--tokenizer="):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--tokenizer="):
+        load_tokenizer(str(bad))
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        train_tokenizer(["a b c"], 100, field="model.vocab_size")
+    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
+        find_checkpoint_dir(str(tmp_path / "no_run"))
+    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
+        find_checkpoint_dir(str(tmp_path))
