@@ -21,11 +21,13 @@ import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-import sbm_jax.tasks as tasks  # noqa: E402  (registers the built-in "synthetic" task)
-from sbm_jax.training import format_summary, run_training  # noqa: E402
-
 # Task packages outside the library register their tasks when imported; LRA and GLUE
 # add one import line each here.
+import lra.train_task  # noqa: E402, F401  (registers lra_listops, lra_text, ... lra_pathfinder)
+import sbm_jax.tasks as tasks  # noqa: E402  (registers the built-in "synthetic" task)
+from sbm_jax.training import format_summary, run_training  # noqa: E402
+from sbm_jax.training.distributed import maybe_initialize_distributed  # noqa: E402
+from sbm_jax.training.trainer import format_run_summary, train_and_evaluate  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (path.py:preset).", lock_config=True
@@ -33,11 +35,26 @@ _CONFIG = config_flags.DEFINE_config_file(
 _OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Output directory (default: config.output_dir or runs/<name>-<time>)."
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process: host:port of process 0 (or SBM_COORDINATOR)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-process: number of processes (or SBM_NUM_PROCESSES)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-process: this process's id (or SBM_PROCESS_ID)."
+)
 
 
 def run(config: ml_collections.ConfigDict, output_dir: str | None = None) -> dict:
     """Build the task named by ``config.task.name``, train, print and return the summary."""
     task = tasks.build_task(config)
+    if "checkpoint" in config:
+        # Configs with a checkpoint section (LRA, GLUE) get the full trainer: dev evals,
+        # best/latest checkpoints, resume, test at the best checkpoint.
+        summary = train_and_evaluate(config, task, output_dir=output_dir)
+        print(format_run_summary(summary), flush=True)
+        return summary
     summary = run_training(config, task, output_dir=output_dir)
     print(format_summary(summary), flush=True)
     return summary
@@ -48,6 +65,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/synthetic.py:quick")
+    # No-op for one process; automatic on multi-host TPU slices and Slurm.
+    maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     run(_CONFIG.value, _OUTPUT_DIR.value)
 
 

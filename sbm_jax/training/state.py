@@ -39,11 +39,14 @@ def learning_rate_schedule(train: Any) -> optax.Schedule:
 
 
 def make_optimizer(train: Any) -> optax.GradientTransformation:
-    """AdamW with the schedule above and optional global-norm clipping."""
+    """AdamW with the schedule above and optional global-norm clipping.
+
+    ``train.eps`` (optional, default optax's 1e-8) is Adam's epsilon."""
     adamw = optax.adamw(
         learning_rate_schedule(train),
         b1=float(train.b1),
         b2=float(train.b2),
+        eps=float(train.get("eps", 1e-8)),
         weight_decay=float(train.weight_decay),
     )
     if float(train.grad_clip_norm) > 0:

@@ -1,0 +1,1 @@
+"""LRA task configs: ``configs/lra/<task>.py:<mechanism>[,<scale>][,lambda=<x>]``."""

@@ -1,0 +1,231 @@
+"""Shared pieces of the five LRA configs (``configs/lra/<task>.py``).
+
+Preset syntax after the colon, comma-separated, in any order:
+
+  mechanism  any registered attention (``sbm``, ``full``, ``performer``, ``linformer``,
+             ``nystromformer``, ``reformer``, ``linear``, ``local``, ``sparse_fixed``,
+             ``sparse_strided``, ``tsa``); default ``sbm``
+  scale      ``paper`` (default: the paper's appendix Table 7), ``reduced`` (paper model,
+             shorter sequences and fewer steps: a CPU-sized run), ``smoke`` (tiny, seconds)
+  lambda=X   weight of SBM's density regulariser (train.density_lambda), e.g. ``lambda=1e-2``
+  seed=N     the run's seed
+
+  python scripts/train.py --config=configs/lra/listops.py:sbm
+  python scripts/train.py --config=configs/lra/image.py:sbm,lambda=1e-2 --config.seed=1
+  python scripts/train.py --config=configs/lra/listops.py:full,smoke
+
+Sources of the ``paper`` numbers: model and optimisation sizes are the SBM-Transformer
+appendix Table 7 (layers, heads, widths, sequence length, dropout, pooling, batch size,
+learning rate, steps) and its caption (128 clusters, 2 hashes, 256 landmarks / features /
+projection). Optimiser details (AdamW, eps 1e-6, no weight decay, linear warm-up then
+linear decay) and per-task warm-up and evaluation frequency follow the LRA reference
+code the paper builds on (the Nystromformer LRA configs); they are listed in
+``REFERENCE_TRAINING`` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from lra import tasks as lra_tasks
+
+SCALES = ("paper", "reduced", "smoke")
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperTask:
+    """Per-task settings of appendix Table 7 plus the reference training schedule."""
+
+    seq_len: int  # padded length per input (Table 7)
+    batch_size: int  # global batch (Table 7)
+    learning_rate: float  # peak learning rate (Table 7)
+    num_steps: int  # training steps (Table 7, "epochs" there means optimizer steps)
+    warmup_steps: int  # linear warm-up (reference code)
+    eval_every: int  # steps between dev evaluations (reference code)
+    reduced_seq_len: int  # sequence length of the ``reduced`` scale
+
+
+REFERENCE_TRAINING: dict[str, PaperTask] = {
+    "listops": PaperTask(2048, 128, 5e-4, 5_000, 1_000, 50, 512),
+    "text": PaperTask(3072, 128, 5e-4, 20_000, 8_000, 500, 1024),
+    "retrieval": PaperTask(4096, 32, 1e-4, 30_000, 8_000, 300, 1024),
+    "image": PaperTask(1024, 1024, 5e-4, 35_000, 175, 175, 1024),
+    "pathfinder": PaperTask(1024, 1024, 5e-4, 62_400, 312, 312, 1024),
+}
+
+
+def parse_preset(arg: str | None) -> tuple[str, str, float, int]:
+    """``"sbm,smoke,lambda=1e-2,seed=1"`` -> (mechanism, scale, lambda, seed).
+
+    Raises:
+      ValueError naming the bad part and the valid choices.
+    """
+    from sbm_jax.attention import available
+
+    mechanisms = available()
+    mechanism, scale, lam, seed = "sbm", "paper", 0.0, 0
+    for part in (arg or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        if part in mechanisms:
+            mechanism = part
+        elif part in SCALES:
+            scale = part
+        elif part.startswith("lambda="):
+            try:
+                lam = float(part.split("=", 1)[1])
+            except ValueError:
+                raise ValueError(f"preset {part!r}: lambda must be a number") from None
+            if lam < 0:
+                raise ValueError(f"preset {part!r}: lambda must be >= 0")
+        elif part.startswith("seed="):
+            try:
+                seed = int(part.split("=", 1)[1])
+            except ValueError:
+                raise ValueError(f"preset {part!r}: seed must be an integer") from None
+        else:
+            raise ValueError(
+                f"unknown preset {part!r} in {arg!r}; mechanisms {mechanisms}, scales {SCALES}, "
+                "or lambda=<float>, seed=<int>"
+            )
+    return mechanism, scale, lam, seed
+
+
+def attention_options(mechanism: str, seq_len: int, scale: str) -> ml_collections.ConfigDict:
+    """``model.attention_options`` of ``mechanism`` for inputs of ``seq_len`` tokens.
+
+    Paper: k=128 clusters (SBM), 256 landmarks (Nystromformer), 256 random features
+    (Performer), projection length 256 (Linformer), 2 hashing rounds (Reformer); the
+    other mechanisms keep their module defaults. ``smoke`` shrinks the sizes.
+    """
+    small = scale == "smoke"
+    o = ml_collections.ConfigDict()
+    if mechanism == "sbm":
+        o.num_clusters = 8 if small else 128  # k, clusters per head (paper: 128)
+        o.delta = 0.01  # exploration probability added to every pair (training only)
+        o.edge_law = "bernoulli"  # edge law: "bernoulli" (the paper's model) or "poisson"
+        o.self_loops = False  # the "+I" variant fixes (i, i) edges (paper Table 1 reports both)
+        o.impl = "dense" if small else "auto"  # "auto", "sparse" or "dense" graph path
+        # "auto" takes the dense path when length**2 <= dense_below; at the reduced scale
+        # (CPU runs, n <= 1024) dense is the faster path there; the graph law is the same.
+        o.dense_below = seq_len * seq_len if scale == "reduced" else 0
+        o.cluster_init = "paper"  # cluster-embedding init: kaiming normal (paper appendix C)
+    elif mechanism == "nystromformer":
+        o.num_landmarks = 4 if small else 256  # landmarks (paper: 256)
+        o.conv_kernel_size = 3 if small else 35  # depthwise conv on values (reference: 35)
+    elif mechanism == "performer":
+        o.num_features = 16 if small else 256  # random features (paper: 256)
+    elif mechanism == "linformer":
+        o.proj_len = 8 if small else 256  # projected length (paper: 256)
+        o.max_len = seq_len  # length of the E/F projections = the task's padded length
+    elif mechanism == "reformer":
+        o.num_hashes = 2  # hashing rounds (paper: 2)
+        o.chunk_len = 8 if small else 64  # LSH chunk length (reference: 64)
+    elif mechanism == "local":
+        o.window = 8 if small else 64  # attention window (module default 64)
+    return o
+
+
+def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
+    """The full config of LRA ``task`` for the preset string ``arg``."""
+    mechanism, scale, lam, seed = parse_preset(arg)
+    spec = lra_tasks.get_task(task)
+    ref = REFERENCE_TRAINING[task]
+    seq_len = {"paper": ref.seq_len, "reduced": ref.reduced_seq_len, "smoke": 32}[scale]
+    if task in ("image", "pathfinder"):
+        seq_len = 1024  # a 32x32 image is 1024 pixels at every scale (never cut)
+
+    config = ml_collections.ConfigDict()
+    suffix = "" if scale == "paper" else f"_{scale}"
+    lam_text = f"_lambda{lam:g}" if lam else ""
+    config.name = f"lra_{task}_{mechanism}{lam_text}{suffix}_seed{seed}"  # run name
+    config.seed = seed  # seeds parameters, graph sampling, dropout and data order
+    config.output_dir = ""  # "" -> runs/<name>; the same directory resumes the run
+
+    config.task = ml_collections.ConfigDict()
+    config.task.name = f"lra_{task}"  # task registry name (lra/train_task.py)
+    # "tfds": a dataset prepared by `python -m lra.prepare` under data_dir;
+    # "generated": listops / pathfinder prepared on first use from task.generate;
+    # "mock": random in-memory examples of the task's shapes (smoke runs without data).
+    config.task.source = "tfds"
+    config.task.data_dir = ""  # TFDS data dir; "" -> $TFDS_DATA_DIR or ~/tensorflow_datasets
+    config.task.data_config = ""  # builder config name; "" -> the task's reference config
+    config.task.max_length = seq_len  # padded length per input; longer inputs are cut
+    config.task.eval_batch_size = 0  # global eval batch; 0 -> train.batch_size
+    config.task.max_eval_batches = 0  # cap on dev batches per evaluation (0: all; test: all)
+    config.task.generate = ml_collections.ConfigDict()  # lra.builders.make_config options
+    config.task.mock_examples = 64  # examples per split for source="mock"
+
+    config.model = ml_collections.ConfigDict()
+    config.model.vocab_size = spec.vocab_size  # token ids in [0, vocab_size), 0 = padding
+    config.model.max_len = seq_len  # learned position table length (= padded length)
+    config.model.emb_dim = 64  # model width (Table 7: 64)
+    config.model.num_layers = 2  # encoder blocks (Table 7: 2)
+    config.model.num_heads = 2  # attention heads (Table 7: 2)
+    config.model.head_dim = 32  # width per head (Table 7: 32); heads * head_dim == emb_dim
+    config.model.mlp_dim = 128  # MLP hidden width (Table 7: 128)
+    config.model.dropout = 0.1  # dropout after embeddings, attention and MLP (Table 7: 0.1)
+    config.model.attention_dropout = 0.1  # dropout on attention weights (Table 7: 0.1)
+    config.model.pooling = "mean"  # masked mean over tokens (Table 7: MEAN)
+    config.model.classifier_dim = 128  # hidden width of the classifier MLP (reference: hidden)
+    config.model.num_classes = spec.num_classes  # Table 7: 10 / 2 / 2 / 10 / 2
+    config.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+    config.model.attention = mechanism  # registry name of the attention mechanism
+    config.model.attention_options = attention_options(mechanism, seq_len, scale)
+
+    config.train = ml_collections.ConfigDict()
+    config.train.batch_size = ref.batch_size  # global batch per optimizer step (Table 7)
+    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
+    #   accumulation over micro-batches (0: the whole per-device share in one pass)
+    config.train.num_steps = ref.num_steps  # optimizer steps (Table 7)
+    config.train.learning_rate = ref.learning_rate  # peak learning rate (Table 7)
+    config.train.warmup_steps = ref.warmup_steps  # linear warm-up steps (reference code)
+    config.train.end_learning_rate_factor = 0.0  # linear decay to 0 at num_steps (reference)
+    config.train.weight_decay = 0.0  # AdamW weight decay (reference: none)
+    config.train.b1 = 0.9  # Adam beta1
+    config.train.b2 = 0.999  # Adam beta2
+    config.train.eps = 1e-6  # Adam epsilon (reference: 1e-6)
+    config.train.grad_clip_norm = 0.0  # global-norm clipping (0: off, as the reference)
+    config.train.density_lambda = lam  # weight of the mean-density regulariser (paper Table 2)
+    config.train.log_every = 50  # steps between host syncs (every step is still recorded)
+    config.train.eval_every = ref.eval_every  # steps between dev evaluations (reference code)
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
+    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
+    config.checkpoint.best_metric = "accuracy"  # dev metric that picks the best checkpoint
+    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
+
+    if scale == "reduced":
+        config.train.batch_size = 32
+        config.train.num_steps = 600
+        config.train.warmup_steps = 60
+        config.train.eval_every = 100
+        config.train.log_every = 10
+        config.checkpoint.every_steps = 100
+        config.task.eval_batch_size = 64
+    elif scale == "smoke":
+        config.task.source = "mock"
+        config.task.mock_examples = 32
+        config.model.emb_dim = 16
+        config.model.num_layers = 1
+        config.model.num_heads = 2
+        config.model.head_dim = 8
+        config.model.mlp_dim = 16
+        config.model.classifier_dim = 16
+        config.model.dropout = 0.0
+        config.model.attention_dropout = 0.0
+        config.train.batch_size = 8
+        config.train.num_steps = 6
+        config.train.warmup_steps = 1
+        config.train.learning_rate = 3e-3
+        config.train.eval_every = 3
+        config.train.log_every = 1
+        config.checkpoint.every_steps = 3
+        config.task.max_eval_batches = 2
+    return config

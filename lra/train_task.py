@@ -1,0 +1,231 @@
+"""The five LRA tasks as training tasks (``lra_listops``, ``lra_text``, ``lra_retrieval``,
+``lra_image``, ``lra_pathfinder``), registered with ``sbm_jax.tasks.register_task``.
+
+Importing this module registers them (``scripts/train.py`` does). Config fields read,
+all under ``config.task`` (documented in ``configs/lra/common.py``): ``source``
+("tfds" | "generated" | "mock"), ``data_dir``, ``data_config``, ``max_length``,
+``eval_batch_size``, ``max_eval_batches``, ``generate``, ``mock_examples``.
+
+Batches are the grain pipeline's (``lra.input_pipeline``) plus ``weights`` float32
+[batch] (= ``example_mask``, so filler rows of the last eval batch count for nothing).
+The training order is a pure function of (seed, step): the pipeline is a random-access
+grain ``MapDataset`` (shuffle per epoch, repeat, batch) sliced at the start step, so a
+resumed run sees exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grain
+import numpy as np
+
+from lra import builders, input_pipeline
+from lra import tasks as lra_tasks
+from sbm_jax.tasks import register_task
+from sbm_jax.training.task import (
+    Batch,
+    classification_loss,
+    default_model_inputs,
+    dual_encoder_model_inputs,
+)
+from sbm_jax.training.trainer import TrainerTask
+
+SOURCES = ("tfds", "generated", "mock")
+
+
+def default_data_dir() -> str:
+    """``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets`` (TFDS's own default)."""
+    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+
+
+class MockSource:
+    """Random examples shaped like a stored LRA split, with a learnable label.
+
+    The label is the first token modulo the number of classes, so a model can fit it
+    (smoke runs show the loss fall); lengths vary between ``max_length // 2`` and
+    ``max_length``. Example ``i`` of split ``split`` is drawn from
+    ``default_rng([seed, split_id, i])``.
+    """
+
+    def __init__(self, task: str, split: str, num_examples: int, max_length: int, seed: int):
+        self.spec = lra_tasks.get_task(task)
+        self.split_id = ("train", "validation", "test").index(split)
+        self.num_examples = num_examples
+        self.max_length = max_length
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def _tokens(self, rng: np.random.Generator) -> np.ndarray:
+        low = 0 if self.spec.name in ("image", "pathfinder") else 1  # pixels are never padding
+        if self.spec.name in ("image", "pathfinder"):
+            length = self.max_length
+        else:
+            length = int(rng.integers(max(self.max_length // 2, 1), self.max_length + 1))
+        return rng.integers(low, self.spec.vocab_size, size=(length,), dtype=np.int32)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.num_examples:
+            raise IndexError(index)
+        rng = np.random.default_rng([self.seed, self.split_id, index])
+        if self.spec.dual_input:
+            a, b = self._tokens(rng), self._tokens(rng)
+            target = int(a[0] + b[0]) % self.spec.num_classes
+            return {"inputs0": a, "inputs1": b, "targets": np.int32(target)}
+        tokens = self._tokens(rng)
+        return {"inputs": tokens, "targets": np.int32(int(tokens[0]) % self.spec.num_classes)}
+
+
+def _data_config(task: str, cfg: Any) -> str | None:
+    """The builder config name to read; for source="generated" the dataset is prepared
+    under data_dir first if missing."""
+    data_dir = cfg.get("data_dir") or default_data_dir()
+    if cfg.source == "generated":
+        if task not in ("listops", "pathfinder"):
+            raise ValueError(
+                f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
+            )
+        options = dict(cfg.get("generate") or {})
+        try:
+            config = builders.make_config(task, source="generated", **options)
+        except TypeError as e:
+            raise ValueError(f"task.generate={options} is not valid for {task!r}: {e}") from None
+        try:
+            input_pipeline.dataset_dir(data_dir, task, config.name)
+        except FileNotFoundError:
+            builders.make_builder(task, config, data_dir=data_dir).download_and_prepare(
+                file_format="array_record"
+            )
+        return config.name
+    return cfg.get("data_config") or None
+
+
+def open_sources(task: str, config: Any) -> dict[str, Any]:
+    """{"train", "validation", "test"} random-access sources for ``config.task``."""
+    cfg = config.task
+    if cfg.source not in SOURCES:
+        raise ValueError(f"task.source={cfg.source!r} must be one of {SOURCES}")
+    if cfg.source == "mock":
+        n = int(cfg.get("mock_examples", 64))
+        if n < 1:
+            raise ValueError(f"task.mock_examples={n} must be >= 1")
+        return {
+            split: MockSource(task, split, n, int(cfg.max_length), int(config.seed))
+            for split in ("train", "validation", "test")
+        }
+    data_dir = cfg.get("data_dir") or default_data_dir()
+    data_config = _data_config(task, cfg)
+    return {
+        split: input_pipeline.open_split(data_dir, task, split, data_config)
+        for split in ("train", "validation", "test")
+    }
+
+
+def _add_weights(batch: Batch) -> Batch:
+    out = dict(batch)
+    out["weights"] = np.asarray(batch["example_mask"], np.float32)
+    return out
+
+
+def train_dataset(
+    source: Any, task: str, batch_size: int, max_length: int, seed: int
+) -> grain.MapDataset:
+    """Endless shuffled training batches as a random-access dataset (index = step)."""
+    spec = lra_tasks.get_task(task)
+    if len(source) < batch_size:
+        raise ValueError(
+            f"the training split has {len(source)} examples, fewer than "
+            f"train.batch_size={batch_size}"
+        )
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
+    ds = ds.map(input_pipeline.PadAndMask(max_length=max_length, dual_input=spec.dual_input))
+    return ds.batch(batch_size, drop_remainder=True).map(_add_weights)
+
+
+def eval_batches(
+    source: Any, task: str, batch_size: int, max_length: int, max_batches: int = 0
+) -> Iterable[Batch]:
+    """File-order evaluation batches, the last one filled up with zero-weight rows."""
+    ds = input_pipeline.make_dataset(
+        source, task=task, batch_size=batch_size, train=False, max_length=max_length
+    )
+    for i, batch in enumerate(ds):
+        if max_batches and i >= max_batches:
+            return
+        yield _add_weights(batch)
+
+
+def check_config(task: str, config: Any) -> None:
+    """Task-specific checks; messages name the field."""
+    spec = lra_tasks.get_task(task)
+    cfg, model = config.task, config.model
+    length = cfg.get("max_length")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"task.max_length={length!r} must be a positive integer")
+    if model.get("max_len", 0) < length:
+        raise ValueError(f"model.max_len={model.get('max_len')} is below task.max_length={length}")
+    if model.get("vocab_size", 0) < spec.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model.get('vocab_size')} is below the {task} vocabulary "
+            f"size {spec.vocab_size}"
+        )
+    if model.get("num_classes") != spec.num_classes:
+        raise ValueError(
+            f"model.num_classes={model.get('num_classes')} must be {spec.num_classes} for {task}"
+        )
+    for name in ("eval_batch_size", "max_eval_batches"):
+        value = cfg.get(name, 0)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"task.{name}={value!r} must be a non-negative integer")
+
+
+def build_lra_task(task: str, config: Any) -> TrainerTask:
+    """The ``TrainerTask`` of LRA ``task`` from ``config`` (see the module docstring)."""
+    check_config(task, config)
+    spec = lra_tasks.get_task(task)
+    sources = open_sources(task, config)
+    length = int(config.task.max_length)
+    batch_size = int(config.train.batch_size)
+    eval_size = int(config.task.get("eval_batch_size", 0)) or batch_size
+    max_eval = int(config.task.get("max_eval_batches", 0))
+    train_ds = train_dataset(sources["train"], task, batch_size, length, int(config.seed))
+
+    def train_batches(start_step: int) -> Iterator[Batch]:
+        step = start_step
+        while True:
+            yield train_ds[step]
+            step += 1
+
+    def split_batches(split: str):
+        cap = max_eval if split == "validation" else 0  # the test split is always whole
+
+        def batches() -> Iterable[Batch]:
+            return eval_batches(sources[split], task, eval_size, length, cap)
+
+        return batches
+
+    return TrainerTask(
+        name=f"lra_{task}",
+        head="dual_encoder" if spec.dual_input else "classification",
+        train_batches=train_batches,
+        eval_batches=split_batches("validation"),
+        test_batches=split_batches("test"),
+        loss_fn=classification_loss,
+        model_inputs=dual_encoder_model_inputs if spec.dual_input else default_model_inputs,
+    )
+
+
+def _register(task: str) -> None:
+    @register_task(f"lra_{task}")
+    def build(config: Any) -> TrainerTask:
+        return build_lra_task(task, config)
+
+    build.__doc__ = f"LRA {task} (see lra.train_task.build_lra_task)."
+
+
+for _name in lra_tasks.TASKS:
+    _register(_name)

@@ -1,0 +1,146 @@
+"""Orbax checkpoints of a run: the latest few (for resuming) and the best on dev.
+
+Layout under ``<output_dir>/checkpoints``: ``latest/<step>/`` (kept: ``max_to_keep``)
+and ``best/<step>/`` (kept: 1). Each holds the train state's pytree (``step``,
+``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the caller's bookkeeping:
+best dev metric so far, etc.). Restoring takes a target state (a fresh one from the
+same config) so optax's state types and the arrays' shardings come back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from sbm_jax.training.state import TrainState
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Orbax logs several INFO lines per save and restore; keep only warnings."""
+    before = logging.get_verbosity()
+    logging.set_verbosity(min(before, logging.WARNING))  # absl: lower = quieter
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
+
+
+def _tree(state: TrainState) -> dict[str, Any]:
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "rng": state.rng,
+    }
+
+
+def abstract_tree(tree: Any) -> Any:
+    """Arrays -> ``jax.ShapeDtypeStruct`` with their sharding (works on donated arrays)."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(leaf, tree)
+
+
+class RunCheckpoints:
+    """The latest and best-dev checkpoints of one run.
+
+    Args:
+      directory: where to keep them (created).
+      max_to_keep: latest checkpoints kept (>= 1).
+    """
+
+    def __init__(self, directory: str, max_to_keep: int = 2) -> None:
+        if not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(f"checkpoint.max_to_keep={max_to_keep!r} must be an integer >= 1")
+        self.directory = os.path.abspath(directory)
+        with _quiet():
+            self._make_managers(max_to_keep)
+
+    def _make_managers(self, max_to_keep: int) -> None:
+        self._latest = ocp.CheckpointManager(
+            os.path.join(self.directory, "latest"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
+        self._best = ocp.CheckpointManager(
+            os.path.join(self.directory, "best"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
+        )
+
+    @staticmethod
+    def _save(manager: ocp.CheckpointManager, state: TrainState, meta: dict[str, Any]) -> None:
+        step = int(state.step)
+        if step in manager.all_steps():
+            return
+        with _quiet():
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            manager.wait_until_finished()
+
+    def save_latest(self, state: TrainState, meta: dict[str, Any]) -> None:
+        """Save ``state`` as a latest checkpoint at ``state.step`` (no-op if present)."""
+        self._save(self._latest, state, meta)
+
+    def save_best(self, state: TrainState, meta: dict[str, Any]) -> None:
+        """Replace the best checkpoint with ``state``."""
+        self._save(self._best, state, meta)
+
+    @staticmethod
+    def _restore(
+        manager: ocp.CheckpointManager, target: TrainState, step: int | None
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        with _quiet():
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_tree(_tree(target))),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        tree = restored["state"]
+        state = target.replace(
+            step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], rng=tree["rng"]
+        )
+        return state, dict(restored["meta"] or {})
+
+    def latest_step(self) -> int | None:
+        """Step of the newest latest checkpoint, or None."""
+        return self._latest.latest_step()
+
+    def best_step(self) -> int | None:
+        """Step of the best checkpoint, or None."""
+        return self._best.latest_step()
+
+    def restore_latest(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+        """(state, meta) of the newest latest checkpoint, or None when there is none.
+
+        ``target``: a state of the same structure (e.g. fresh from the same config); its
+        arrays' shapes, dtypes and shardings are those restored.
+        """
+        return self._restore(self._latest, target, None)
+
+    def restore_best(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+        """(state, meta) of the best checkpoint, or None when there is none."""
+        return self._restore(self._best, target, None)
+
+    def close(self) -> None:
+        with _quiet():
+            self._latest.close()
+            self._best.close()
