@@ -7,52 +7,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbm_jax.attention import build_attention, get_attention
+from sbm_jax.attention import get_attention
 from sbm_jax.attention.linformer import LinformerAttention
-
-B, N, DIM, HEADS, HEAD_DIM, OUT = 3, 7, 6, 2, 4, 5
-LENGTHS = np.array([7, 4, 1])
-
-
-def make_inputs(seed: int = 0, length: int = N):
-    x = jax.random.normal(jax.random.key(seed), (B, length, DIM))
-    mask = jnp.arange(length)[None, :] < jnp.asarray(np.minimum(LENGTHS, length))[:, None]
-    return x, mask
+from tests.attention_testing import (
+    DIM,
+    OUT,
+    B,
+    N,
+    assert_module_ignores_padding,
+    assert_no_retracing_across_batches,
+    build_module,
+    dense_out,
+    dense_qkv,
+    init,
+    make_inputs,
+    module_grads_with_fully_padded_row,
+    softmax_attention,
+    to64,
+)
 
 
 def make_module(**options):
     options.setdefault("proj_len", 3)
     options.setdefault("max_len", 10)
-    return build_attention(
-        "linformer", options=options, num_heads=HEADS, head_dim=HEAD_DIM, out_dim=OUT
-    )
-
-
-def init(module, x, mask):
-    return module.init(jax.random.key(1), x, mask, deterministic=True)
-
-
-def to64(tree):
-    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
-
-
-def dense_qkv(params, x):
-    p = to64(params["params"])
-    x = np.asarray(x, np.float64)
-    return tuple(
-        np.einsum("bnc,chd->bnhd", x, p[name]["kernel"]) + p[name]["bias"]
-        for name in ("query", "key", "value")
-    )
-
-
-def dense_out(params, y):
-    p = to64(params["params"])
-    return np.einsum("bnhd,hdo->bno", y, p["out"]["kernel"]) + p["out"]["bias"]
-
-
-def softmax(logits):
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    return w / w.sum(-1, keepdims=True)
+    return build_module("linformer", **options)
 
 
 def test_registered_and_shapes():
@@ -81,8 +59,7 @@ def test_matches_dense_reference_from_same_projections():
     # K' = E^T (K with padded rows zeroed), V' = F^T (V likewise), per batch and head.
     k_proj = np.einsum("nk,bnhd->bkhd", e, k * m)
     v_proj = np.einsum("nk,bnhd->bkhd", f, v * m)
-    weights = softmax(np.einsum("bihd,bkhd->bhik", q, k_proj) / np.sqrt(HEAD_DIM))
-    expected = dense_out(params, np.einsum("bhik,bkhd->bihd", weights, v_proj))
+    expected = dense_out(params, softmax_attention(q, k_proj, v_proj))
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -98,8 +75,7 @@ def test_identity_projections_give_exact_softmax_attention():
     y = module.apply(params, x, mask, deterministic=True)
 
     q, k, v = dense_qkv(params, x)
-    weights = softmax(np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(HEAD_DIM))
-    expected = dense_out(params, np.einsum("bhij,bjhd->bihd", weights, v))
+    expected = dense_out(params, softmax_attention(q, k, v))
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -115,14 +91,7 @@ def test_shorter_input_uses_leading_rows_and_longer_input_fails():
 
 
 def test_padding_never_influences_real_tokens():
-    module = make_module()
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    y = module.apply(params, x, mask, deterministic=True)
-    noise = 100.0 * jax.random.normal(jax.random.key(7), x.shape)
-    y2 = module.apply(params, jnp.where(mask[..., None], x, noise), mask, deterministic=True)
-    real = np.asarray(mask)
-    np.testing.assert_array_equal(np.asarray(y)[real], np.asarray(y2)[real])
+    assert_module_ignores_padding(make_module())
 
 
 def test_attention_dropout_only_when_not_deterministic():
@@ -140,38 +109,14 @@ def test_attention_dropout_only_when_not_deterministic():
 
 
 def test_gradients_finite_with_fully_padded_row():
-    module = make_module()
-    x, mask = make_inputs()
-    mask = mask.at[2].set(False)
-    params = init(module, x, mask)
-
-    def loss(params, x):
-        y = module.apply(params, x, mask, deterministic=True)
-        return jnp.sum(jnp.where(mask[..., None], y, 0.0) ** 2)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-    for leaf in jax.tree.leaves(grads):
-        assert np.all(np.isfinite(np.asarray(leaf)))
+    grads = module_grads_with_fully_padded_row(make_module())
     g_e = np.asarray(grads[0]["params"]["proj_k"])
     assert np.abs(g_e[:N]).sum() > 0
     np.testing.assert_array_equal(g_e[N:], 0.0)  # rows beyond the input length are unused
 
 
 def test_no_retracing_across_batches():
-    module = make_module()
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    traces = []
-
-    @jax.jit
-    def forward(params, x, mask):
-        traces.append(None)
-        return module.apply(params, x, mask, deterministic=True)
-
-    for seed in range(3):
-        xs, _ = make_inputs(seed)
-        forward(params, xs, jnp.roll(mask, seed, axis=0))
-    assert len(traces) == 1
+    assert_no_retracing_across_batches(make_module())
 
 
 def test_bad_options_name_fields():

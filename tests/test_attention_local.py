@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sbm_jax.attention.local import LocalAttention, band_mask, local_attention
+from tests.attention_testing import (
+    assert_grads_finite_and_traced_once,
+    assert_padding_invariant,
+    dense_masked_attention,
+    dense_out,
+    dense_qkv,
+    module_inputs,
+    token_mask,
+)
 
 
 def loop_band(n: int, window: int, causal: bool) -> np.ndarray:
@@ -19,27 +25,6 @@ def loop_band(n: int, window: int, causal: bool) -> np.ndarray:
         for j in range(n):
             allowed[i, j] = abs(i - j) <= window // 2 and (j <= i or not causal)
     return allowed
-
-
-def dense_reference(q, k, v, allowed):
-    """NumPy softmax attention; q,k,v [B,n,H,d], allowed [B,n,n] (shared by heads)."""
-    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
-    batch, n, heads, d = q.shape
-    out = np.zeros((batch, n, heads, v.shape[-1]))
-    for bi in range(batch):
-        for h in range(heads):
-            for i in range(n):
-                keys = np.nonzero(allowed[bi, i])[0]
-                if keys.size == 0:
-                    continue
-                s = k[bi, keys, h] @ q[bi, i, h] / math.sqrt(d)
-                w = np.exp(s - s.max())
-                out[bi, i, h] = (w / w.sum()) @ v[bi, keys, h]
-    return out
-
-
-def token_mask(n: int, lengths) -> jax.Array:
-    return jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -67,32 +52,21 @@ def test_blocked_equals_dense_masked_attention(n, window, causal):
     out, edges = jax.jit(local_attention, static_argnums=(4, 5))(q, k, v, mask, window, causal)
     m = np.asarray(mask)
     allowed = loop_band(n, window, causal)[None] & m[:, None, :]
-    ref = dense_reference(q, k, v, allowed)
+    ref = dense_masked_attention(q, k, v, allowed[:, None])  # allowed shared by heads
     real = m[..., None, None]
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(edges, (allowed & m[:, :, None]).sum(axis=(1, 2)))
 
 
-def module_inputs(n=12, lengths=(12, 7)):
-    x = jax.random.normal(jax.random.key(0), (2, n, 8))
-    return x, token_mask(n, lengths)
-
-
 def test_module_matches_reference_and_stats():
-    x, mask = module_inputs()
+    x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4)
     params = {"params": module.init(jax.random.key(1), x, mask, deterministic=True)["params"]}
     out, stats = module.apply(params, x, mask, deterministic=True, mutable=["attention_stats"])
-    p = params["params"]
-    xd = np.asarray(x, np.float64)
-    q, k, v = (
-        np.einsum("bnx,xhd->bnhd", xd, p[name]["kernel"]) + p[name]["bias"]
-        for name in ("query", "key", "value")
-    )
+    q, k, v = dense_qkv(params, x)
     m = np.asarray(mask)
     allowed = loop_band(12, 4, False)[None] & m[:, None, :]
-    att = dense_reference(q, k, v, allowed)
-    ref = np.einsum("bnhd,hdo->bno", att, p["out"]["kernel"]) + p["out"]["bias"]
+    ref = dense_out(params, dense_masked_attention(q, k, v, allowed[:, None]))
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     pairs = (allowed & m[:, :, None]).sum(axis=(1, 2))
     expected_density = pairs / m.sum(axis=1) ** 2
@@ -101,37 +75,27 @@ def test_module_matches_reference_and_stats():
 
 
 def test_padding_never_influences_real_tokens():
-    x, mask = module_inputs()
+    x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=6)
     params = module.init(jax.random.key(2), x, mask, deterministic=True)
-    x2 = jnp.where(mask[..., None], x, 50.0 * jax.random.normal(jax.random.key(3), x.shape))
+    noise = 50.0 * jax.random.normal(jax.random.key(3), x.shape)
     apply = jax.jit(lambda x: module.apply(params, x, mask, deterministic=True))
-    m = np.asarray(mask)
-    np.testing.assert_array_equal(np.asarray(apply(x))[m], np.asarray(apply(x2))[m])
+    assert_padding_invariant(apply, x, mask, noise)
 
 
 def test_gradients_finite_and_no_retrace():
-    x, mask = module_inputs()
+    x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4, attention_dropout=0.1)
     params = {"params": module.init(jax.random.key(4), x, mask, deterministic=True)["params"]}
-    traces = []
 
-    def loss(params, x, rng):
-        traces.append(1)
-        y = module.apply(params, x, mask, deterministic=False, rngs={"dropout": rng})
-        return jnp.sum(y**2)
+    def apply(params, x, rng):
+        return module.apply(params, x, mask, deterministic=False, rngs={"dropout": rng})
 
-    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    for seed in range(2):
-        xb = jax.random.normal(jax.random.key(10 + seed), x.shape)
-        gp, gx = grad_fn(params, xb, jax.random.key(seed))
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(gp))
-        assert bool(jnp.all(jnp.isfinite(gx)))
-    assert len(traces) == 1
+    assert_grads_finite_and_traced_once(apply, params, x.shape)
 
 
 def test_negative_window_names_the_field():
-    x, mask = module_inputs()
+    x, mask = module_inputs(0)
     with pytest.raises(ValueError, match="attention_options.window"):
         LocalAttention(num_heads=1, head_dim=4, out_dim=8, window=-1).init(
             jax.random.key(0), x, mask, deterministic=True

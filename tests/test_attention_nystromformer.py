@@ -7,57 +7,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbm_jax.attention import build_attention, get_attention
+from sbm_jax.attention import get_attention
 from sbm_jax.attention.nystromformer import (
     NystromformerAttention,
     iterative_pinv,
     segment_landmarks,
 )
-
-B, N, DIM, HEADS, HEAD_DIM, OUT = 3, 7, 6, 2, 4, 5
-LENGTHS = np.array([7, 4, 1])
-
-
-def make_inputs(seed: int = 0, length: int = N, scale: float = 1.0):
-    x = scale * jax.random.normal(jax.random.key(seed), (B, length, DIM))
-    mask = jnp.arange(length)[None, :] < jnp.asarray(np.minimum(LENGTHS, length))[:, None]
-    return x, mask
+from tests.attention_testing import (
+    HEADS,
+    OUT,
+    B,
+    N,
+    assert_module_ignores_padding,
+    assert_no_retracing_across_batches,
+    build_module,
+    dense_out,
+    dense_qkv,
+    init,
+    make_inputs,
+    module_grads_with_fully_padded_row,
+    softmax,
+    softmax_attention,
+)
 
 
 def make_module(**options):
     options.setdefault("num_landmarks", 3)
     options.setdefault("conv_kernel_size", 3)
-    return build_attention(
-        "nystromformer", options=options, num_heads=HEADS, head_dim=HEAD_DIM, out_dim=OUT
-    )
-
-
-def init(module, x, mask):
-    return module.init(jax.random.key(1), x, mask, deterministic=True)
-
-
-def to64(tree):
-    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
-
-
-def dense_qkv(params, x):
-    p = to64(params["params"])
-    x = np.asarray(x, np.float64)
-    return tuple(
-        np.einsum("bnc,chd->bnhd", x, p[name]["kernel"]) + p[name]["bias"]
-        for name in ("query", "key", "value")
-    )
-
-
-def dense_out(params, y, bias=True):
-    p = to64(params["params"])
-    out = np.einsum("bnhd,hdo->bno", y, p["out"]["kernel"])
-    return out + p["out"]["bias"] if bias else out
-
-
-def softmax(logits):
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    return w / w.sum(-1, keepdims=True)
+    return build_module("nystromformer", **options)
 
 
 def test_registered_and_shapes():
@@ -114,9 +91,7 @@ def test_landmarks_equal_length_is_exact_softmax_attention():
     y = np.asarray(module.apply(params, x, mask, deterministic=True))
 
     q, k, v = dense_qkv(params, x)
-    logits = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(HEAD_DIM)
-    logits = np.where(np.asarray(mask)[:, None, None, :], logits, -np.inf)
-    expected = dense_out(params, np.einsum("bhij,bjhd->bihd", softmax(logits), v))
+    expected = dense_out(params, softmax_attention(q, k, v, mask))
     real = np.asarray(mask)
     np.testing.assert_allclose(y[real], expected[real], rtol=1e-4, atol=2e-4)
     # More landmarks than tokens is the same computation (landmarks are capped at n).
@@ -189,49 +164,22 @@ def test_value_convolution_skip_matches_numpy():
 @pytest.mark.parametrize("landmarks", [3, 2])
 def test_padding_never_influences_real_tokens(landmarks):
     # n = 7 is not divisible by 3 or 2: the tail segment is padded.
-    module = make_module(num_landmarks=landmarks, conv_kernel_size=3)
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    y = module.apply(params, x, mask, deterministic=True)
-    noise = 100.0 * jax.random.normal(jax.random.key(7), x.shape)
-    y2 = module.apply(params, jnp.where(mask[..., None], x, noise), mask, deterministic=True)
-    real = np.asarray(mask)
+    y = assert_module_ignores_padding(make_module(num_landmarks=landmarks, conv_kernel_size=3))
     assert np.all(np.isfinite(np.asarray(y)))
-    np.testing.assert_array_equal(np.asarray(y)[real], np.asarray(y2)[real])
 
 
 def test_gradients_finite_with_fully_padded_row():
-    module = make_module(attention_dropout=0.1)
-    x, mask = make_inputs()
-    mask = mask.at[2].set(False)
-    params = init(module, x, mask)
-
-    def loss(params, x):
-        y = module.apply(params, x, mask, deterministic=False, rngs={"dropout": jax.random.key(2)})
-        return jnp.sum(jnp.where(mask[..., None], y, 0.0) ** 2)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-    for leaf in jax.tree.leaves(grads):
-        assert np.all(np.isfinite(np.asarray(leaf)))
+    grads = module_grads_with_fully_padded_row(
+        make_module(attention_dropout=0.1),
+        deterministic=False,
+        rngs={"dropout": jax.random.key(2)},
+    )
     assert float(jnp.abs(grads[0]["params"]["key"]["kernel"]).sum()) > 0
     assert float(jnp.abs(grads[0]["params"]["value_conv"]["kernel"]).sum()) > 0
 
 
 def test_no_retracing_across_batches():
-    module = make_module()
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    traces = []
-
-    @jax.jit
-    def forward(params, x, mask):
-        traces.append(None)
-        return module.apply(params, x, mask, deterministic=True)
-
-    for seed in range(3):
-        xs, _ = make_inputs(seed)
-        forward(params, xs, jnp.roll(mask, seed, axis=0))
-    assert len(traces) == 1
+    assert_no_retracing_across_batches(make_module())
 
 
 def test_bad_options_name_fields():

@@ -8,59 +8,36 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbm_jax.attention import build_attention, get_attention
+from sbm_jax.attention import get_attention
 from sbm_jax.attention.performer import PerformerAttention, gaussian_random_features
-
-B, N, DIM, HEADS, HEAD_DIM, OUT = 3, 7, 6, 2, 4, 5
-LENGTHS = np.array([7, 4, 1])
-
-
-def make_inputs(seed: int = 0, scale: float = 1.0):
-    x = scale * jax.random.normal(jax.random.key(seed), (B, N, DIM))
-    mask = jnp.arange(N)[None, :] < jnp.asarray(LENGTHS)[:, None]
-    return x, mask
+from tests.attention_testing import (
+    DIM,
+    HEAD_DIM,
+    HEADS,
+    OUT,
+    B,
+    N,
+    assert_module_ignores_padding,
+    assert_no_retracing_across_batches,
+    build_module,
+    dense_out,
+    dense_qkv,
+    init,
+    make_inputs,
+    module_grads_with_fully_padded_row,
+    softmax_attention,
+)
 
 
 def make_module(**options):
     options.setdefault("num_features", 16)
-    return build_attention(
-        "performer", options=options, num_heads=HEADS, head_dim=HEAD_DIM, out_dim=OUT
-    )
-
-
-def init(module, x, mask):
-    return module.init(jax.random.key(1), x, mask, deterministic=True)
-
-
-def to64(tree):
-    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
-
-
-def dense_qkv(params, x):
-    p = to64(params["params"])
-    x = np.asarray(x, np.float64)
-    return tuple(
-        np.einsum("bnc,chd->bnhd", x, p[name]["kernel"]) + p[name]["bias"]
-        for name in ("query", "key", "value")
-    )
-
-
-def dense_out(params, y):
-    p = to64(params["params"])
-    return np.einsum("bnhd,hdo->bno", y, p["out"]["kernel"]) + p["out"]["bias"]
+    return build_module("performer", **options)
 
 
 def kernel_attention(phi_q, phi_k, v, mask):
     """Dense normalised kernel attention: A = phi(Q) phi(K)^T with padded keys removed."""
     a = np.einsum("bihm,bjhm->bhij", phi_q, phi_k) * np.asarray(mask, np.float64)[:, None, None]
     return np.einsum("bhij,bjhd->bihd", a / a.sum(-1, keepdims=True), v)
-
-
-def softmax_attention(q, k, v, mask):
-    logits = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(q.shape[-1])
-    logits = np.where(np.asarray(mask)[:, None, None, :], logits, -np.inf)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    return np.einsum("bhij,bjhd->bihd", w / w.sum(-1, keepdims=True), v)
 
 
 def apply_with_features(module, params, x, mask, rngs=None):
@@ -210,48 +187,19 @@ def test_fixed_features_differ_between_layers():
 
 @pytest.mark.parametrize("kernel", ["relu", "softmax"])
 def test_padding_never_influences_real_tokens(kernel):
-    module = make_module(kernel=kernel)
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    y = module.apply(params, x, mask, deterministic=True)
-    noise = 100.0 * jax.random.normal(jax.random.key(7), x.shape)
-    y2 = module.apply(params, jnp.where(mask[..., None], x, noise), mask, deterministic=True)
-    real = np.asarray(mask)
-    np.testing.assert_array_equal(np.asarray(y)[real], np.asarray(y2)[real])
+    assert_module_ignores_padding(make_module(kernel=kernel))
 
 
 @pytest.mark.parametrize("kernel", ["relu", "softmax"])
 def test_gradients_finite_with_fully_padded_row(kernel):
-    module = make_module(kernel=kernel)
-    x, mask = make_inputs()
-    mask = mask.at[2].set(False)
-    params = init(module, x, mask)
-
-    def loss(params, x):
-        y = module.apply(params, x, mask, deterministic=True, rngs={"sample": jax.random.key(2)})
-        return jnp.sum(jnp.where(mask[..., None], y, 0.0) ** 2)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-    for leaf in jax.tree.leaves(grads):
-        assert np.all(np.isfinite(np.asarray(leaf)))
+    grads = module_grads_with_fully_padded_row(
+        make_module(kernel=kernel), rngs={"sample": jax.random.key(2)}
+    )
     assert float(jnp.abs(grads[0]["params"]["query"]["kernel"]).sum()) > 0
 
 
 def test_no_retracing_across_batches():
-    module = make_module(kernel="softmax")
-    x, mask = make_inputs()
-    params = init(module, x, mask)
-    traces = []
-
-    @jax.jit
-    def forward(params, x, mask, key):
-        traces.append(None)
-        return module.apply(params, x, mask, deterministic=True, rngs={"sample": key})
-
-    for seed in range(3):
-        xs, _ = make_inputs(seed)
-        forward(params, xs, jnp.roll(mask, seed, axis=0), jax.random.key(seed))
-    assert len(traces) == 1
+    assert_no_retracing_across_batches(make_module(kernel="softmax"), rng_stream="sample")
 
 
 def test_bad_options_name_fields():

@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sbm_jax.attention.reformer import ReformerAttention, lsh_attention, lsh_buckets
-
-
-def token_mask(n: int, lengths) -> jax.Array:
-    return jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None]
+from tests.attention_testing import (
+    assert_grads_finite_and_traced_once,
+    assert_padding_invariant,
+    dense_out,
+    dense_qkv,
+    module_inputs,
+    token_mask,
+)
 
 
 def dense_shared_qk_reference(qk, v, mask, causal):
@@ -109,14 +112,8 @@ def test_one_bucket_equals_full_attention_without_self(causal):
     )
     params = module.init(jax.random.key(3), x, mask, deterministic=True)
     out = module.apply(params, x, mask, deterministic=True)
-    p = params["params"]
-    xd = np.asarray(x, np.float64)
-    qk, v = (
-        np.einsum("bnx,xhd->bnhd", xd, p[name]["kernel"]) + p[name]["bias"]
-        for name in ("query_key", "value")
-    )
-    att = dense_shared_qk_reference(qk, v, mask, causal)
-    ref = np.einsum("bnhd,hdo->bno", att, p["out"]["kernel"]) + p["out"]["bias"]
+    qk, v = dense_qkv(params, x, names=("query_key", "value"))
+    ref = dense_out(params, dense_shared_qk_reference(qk, v, mask, causal))
     m = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(out)[m], ref[m], rtol=1e-4, atol=1e-5)
 
@@ -138,27 +135,21 @@ def test_chunked_multi_round_matches_loop_reference(n, chunk_len, num_buckets):
     np.testing.assert_allclose(np.asarray(out)[m], ref[m], rtol=1e-5, atol=1e-6)
 
 
-def module_inputs(n=12, lengths=(12, 7)):
-    x = jax.random.normal(jax.random.key(4), (2, n, 8))
-    return x, token_mask(n, lengths)
-
-
 def test_padding_never_influences_real_tokens():
-    x, mask = module_inputs()
+    x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
     params = module.init(jax.random.key(5), x, mask, deterministic=True)
-    x2 = jnp.where(mask[..., None], x, 50.0 * jax.random.normal(jax.random.key(6), x.shape))
+    noise = 50.0 * jax.random.normal(jax.random.key(6), x.shape)
     apply = jax.jit(
         lambda x: module.apply(
             params, x, mask, deterministic=True, rngs={"sample": jax.random.key(7)}
         )
     )
-    m = np.asarray(mask)
-    np.testing.assert_array_equal(np.asarray(apply(x))[m], np.asarray(apply(x2))[m])
+    assert_padding_invariant(apply, x, mask, noise)
 
 
 def test_hash_rng_sample_stream_and_fixed_key():
-    x, mask = module_inputs()
+    x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
     params = module.init(jax.random.key(8), x, mask, deterministic=True)
 
@@ -173,30 +164,23 @@ def test_hash_rng_sample_stream_and_fixed_key():
 
 
 def test_gradients_finite_and_no_retrace():
-    x, mask = module_inputs()
+    x, mask = module_inputs(4)
     module = ReformerAttention(
         num_heads=2, head_dim=4, out_dim=8, chunk_len=4, attention_dropout=0.1
     )
     params = {"params": module.init(jax.random.key(9), x, mask, deterministic=True)["params"]}
-    traces = []
 
-    def loss(params, x, rng):
-        traces.append(1)
+    def apply(params, x, rng):
         r1, r2 = jax.random.split(rng)
-        y = module.apply(params, x, mask, deterministic=False, rngs={"dropout": r1, "sample": r2})
-        return jnp.sum(y**2)
+        return module.apply(
+            params, x, mask, deterministic=False, rngs={"dropout": r1, "sample": r2}
+        )
 
-    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    for seed in range(2):
-        xb = jax.random.normal(jax.random.key(10 + seed), x.shape)
-        gp, gx = grad_fn(params, xb, jax.random.key(seed))
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(gp))
-        assert bool(jnp.all(jnp.isfinite(gx)))
-    assert len(traces) == 1
+    assert_grads_finite_and_traced_once(apply, params, x.shape)
 
 
 def test_bad_options_name_the_field():
-    x, mask = module_inputs()
+    x, mask = module_inputs(4)
     for options, field in [({"num_buckets": 3}, "num_buckets"), ({"num_hashes": 0}, "num_hashes")]:
         with pytest.raises(ValueError, match=f"attention_options.{field}"):
             ReformerAttention(num_heads=1, head_dim=4, out_dim=8, **options).init(

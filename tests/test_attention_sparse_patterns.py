@@ -21,6 +21,14 @@ from sbm_jax.attention.sparse_patterns import (
     split_heads,
     strided_pattern,
 )
+from tests.attention_testing import (
+    assert_grads_finite_and_traced_once,
+    assert_padding_invariant,
+    dense_masked_attention,
+    dense_out,
+    dense_qkv,
+    module_inputs,
+)
 
 # ---------------------------------------------------------------------------------------
 # Loop references, written from the notes' formulas.
@@ -54,43 +62,11 @@ def loop_fixed(n: int, stride: int, c: int, causal: bool, offset: int = 0) -> np
     return np.stack([a, b])
 
 
-def dense_reference(q, k, v, allowed):
-    """NumPy softmax attention; q,k,v [B,n,H,d], allowed [B,H,n,m]; empty rows -> 0."""
-    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
-    batch, n, heads, d = q.shape
-    out = np.zeros((batch, n, heads, v.shape[-1]))
-    for bi in range(batch):
-        for h in range(heads):
-            for i in range(n):
-                keys = np.nonzero(allowed[bi, h, i])[0]
-                if keys.size == 0:
-                    continue
-                s = k[bi, keys, h] @ q[bi, i, h] / math.sqrt(d)
-                w = np.exp(s - s.max())
-                w /= w.sum()
-                out[bi, i, h] = w @ v[bi, keys, h]
-    return out
-
-
-def project(params, name, x):
-    p = params["params"][name]
-    return np.einsum("bnx,xhd->bnhd", x, p["kernel"]) + p["bias"]
-
-
 def module_reference(params, x, mask, head_masks):
     """Full module reference: projections, dense masked attention, output projection."""
-    x = np.asarray(x, np.float64)
-    q, k, v = (project(params, name, x) for name in ("query", "key", "value"))
+    q, k, v = dense_qkv(params, x)
     allowed = np.asarray(head_masks)[None] & np.asarray(mask)[:, None, None, :]
-    att = dense_reference(q, k, v, allowed)
-    p = params["params"]["out"]
-    return np.einsum("bnhd,hdo->bno", att, p["kernel"]) + p["bias"]
-
-
-def make_inputs(batch=2, n=12, dim=8, lengths=(12, 7), seed=0):
-    x = jax.random.normal(jax.random.key(seed), (batch, n, dim))
-    mask = jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None]
-    return x, mask
+    return dense_out(params, dense_masked_attention(q, k, v, allowed))
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,7 +108,7 @@ def test_split_heads():
 
 
 def test_bad_options_name_the_field():
-    x, mask = make_inputs()
+    x, mask = module_inputs(0)
     with pytest.raises(ValueError, match="attention_options.c"):
         SparseFixedAttention(num_heads=2, head_dim=4, out_dim=8, stride=3, c=4).init(
             jax.random.key(0), x, mask, deterministic=True
@@ -155,7 +131,7 @@ def test_masked_attention_matches_dense_and_zeroes_empty_rows():
     allowed = np.array(jax.random.bernoulli(km, 0.4, (2, 3, 5, 6)))
     allowed[0, 1, 2] = False  # an empty row
     out = masked_attention(q, k, v, jnp.asarray(allowed))
-    ref = dense_reference(q, k, v, allowed)
+    ref = dense_masked_attention(q, k, v, allowed)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(out)[0, 2, 1] == 0.0)
     # Gradients are finite even with empty rows.
@@ -167,7 +143,7 @@ def test_masked_attention_matches_dense_and_zeroes_empty_rows():
     two_d = allowed[0, 0]
     np.testing.assert_allclose(
         masked_attention(q, k, v, jnp.asarray(two_d)),
-        dense_reference(q, k, v, np.broadcast_to(two_d, allowed.shape)),
+        dense_masked_attention(q, k, v, np.broadcast_to(two_d, allowed.shape)),
         rtol=1e-5,
         atol=1e-6,
     )
@@ -224,7 +200,7 @@ MODULES = [
 )
 def test_module_matches_dense_reference(case, num_heads):
     cls, options, masks = MODULES[case]
-    x, mask = make_inputs()
+    x, mask = module_inputs(0)
     module = cls(num_heads=num_heads, head_dim=4, out_dim=8, **options)
     params = {"params": module.init(jax.random.key(2), x, mask, deterministic=True)["params"]}
     out = module.apply(params, x, mask, deterministic=True)
@@ -233,7 +209,8 @@ def test_module_matches_dense_reference(case, num_heads):
 
 
 def test_default_stride_is_round_sqrt_n():
-    x, mask = make_inputs(n=23, lengths=(23, 15))  # round(sqrt(23)) = 5, c = max(1, 5 // 8) = 1
+    # round(sqrt(23)) = 5, c = max(1, 5 // 8) = 1
+    x, mask = module_inputs(0, n=23, lengths=(23, 15))
     for cls, explicit in [
         (SparseStridedAttention, {"stride": 5}),
         (SparseFixedAttention, {"stride": 5, "c": 1}),
@@ -249,39 +226,28 @@ def test_default_stride_is_round_sqrt_n():
 
 @pytest.mark.parametrize("cls", [SparseStridedAttention, SparseFixedAttention])
 def test_padding_never_influences_real_tokens(cls):
-    x, mask = make_inputs()
+    x, mask = module_inputs(0)
     module = cls(num_heads=2, head_dim=4, out_dim=8, stride=3)
     params = module.init(jax.random.key(3), x, mask, deterministic=True)
     noise = 100.0 * jax.random.normal(jax.random.key(4), x.shape)
-    x2 = jnp.where(mask[..., None], x, noise)
-    y1 = module.apply(params, x, mask, deterministic=True)
-    y2 = module.apply(params, x2, mask, deterministic=True)
-    np.testing.assert_array_equal(
-        np.asarray(y1)[np.asarray(mask)], np.asarray(y2)[np.asarray(mask)]
+    assert_padding_invariant(
+        lambda x: module.apply(params, x, mask, deterministic=True), x, mask, noise
     )
 
 
 @pytest.mark.parametrize("cls", [SparseStridedAttention, SparseFixedAttention])
 def test_gradients_finite_stats_and_no_retrace(cls):
-    x, mask = make_inputs()
+    x, mask = module_inputs(0)
     module = cls(num_heads=2, head_dim=4, out_dim=8, attention_dropout=0.1)
     params = {"params": module.init(jax.random.key(5), x, mask, deterministic=True)["params"]}
-    traces = []
 
-    def loss(params, x, rng):
-        traces.append(1)
-        y, stats = module.apply(
+    def apply(params, x, rng):
+        return module.apply(
             params, x, mask, deterministic=False, rngs={"dropout": rng}, mutable=["attention_stats"]
         )
-        return jnp.sum(y**2), stats
 
-    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    for seed in range(2):
-        xb = jax.random.normal(jax.random.key(10 + seed), x.shape)
-        (_, stats), (gp, gx) = grad_fn(params, xb, jax.random.key(seed))
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(gp))
-        assert bool(jnp.all(jnp.isfinite(gx)))
-    assert len(traces) == 1  # traced once, not once per batch
+    # Traced once, not once per batch; the stats are those of the last batch.
+    stats = assert_grads_finite_and_traced_once(apply, params, x.shape, has_aux=True)
     density = stats["attention_stats"]["density"][0]
     assert density.shape == (2, 2)
     assert bool(jnp.all((density > 0) & (density <= 1)))

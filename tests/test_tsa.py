@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,23 +11,9 @@ import pytest
 from sbm_jax.attention.registry import STATS_COLLECTION, build_attention
 from sbm_jax.attention.tsa import TensorizedSpectralAttention, time_graph
 from sbm_jax.models.tsa_classifier import TSAClassifier
+from tests.attention_testing import assert_traced_once, masked_grads_are_finite, tt_dense_by_loops
 
 B, L, D, H, DH = 2, 6, 8, 2, 4
-
-
-def numpy_tt_dense(cores) -> np.ndarray:
-    """Full weight from TT cores [R, I, J, R'], entry by entry (row-major multi-indices)."""
-    cores = [np.asarray(c, np.float64) for c in cores]
-    in_modes = [c.shape[1] for c in cores]
-    out_modes = [c.shape[2] for c in cores]
-    w = np.zeros((math.prod(in_modes), math.prod(out_modes)))
-    for row, i_idx in enumerate(np.ndindex(*in_modes)):
-        for col, j_idx in enumerate(np.ndindex(*out_modes)):
-            prod = np.ones((1, 1))
-            for core, i, j in zip(cores, i_idx, j_idx, strict=True):
-                prod = prod @ core[:, i, j, :]
-            w[row, col] = prod[0, 0]
-    return w
 
 
 def numpy_weights(params: dict, projection: str):
@@ -41,13 +25,13 @@ def numpy_weights(params: dict, projection: str):
             return [k[:, h, :] for h in range(k.shape[1])]
         n = sum(1 for name in p if name.startswith("core_"))
         heads = p["core_0"].shape[0]
-        return [numpy_tt_dense([p[f"core_{i}"][h] for i in range(n)]) for h in range(heads)]
+        return [tt_dense_by_loops([p[f"core_{i}"][h] for i in range(n)]) for h in range(heads)]
 
     def single(p):
         if projection == "dense":
             return np.asarray(p["kernel"], np.float64)
         n = sum(1 for name in p if name.startswith("core_"))
-        return numpy_tt_dense([p[f"core_{i}"] for i in range(n)])
+        return tt_dense_by_loops([p[f"core_{i}"] for i in range(n)])
 
     return per_head(params["key"]), per_head(params["value"]), single(params["out"])
 
@@ -168,28 +152,26 @@ def test_padding_never_influences_real_tokens(projection):
 
 def test_no_retracing_across_batches():
     module, params = init_tsa("tt")
-    traces = []
 
-    @jax.jit
     def fwd(params, x, mask):
-        traces.append(1)
         return module.apply({"params": params}, x, mask, deterministic=True)
 
-    for seed, lengths in [(0, (6, 4)), (1, (2, 5)), (2, (6, 6))]:
-        x, mask = make_inputs(seed, lengths)
-        fwd(params, jnp.asarray(x), jnp.asarray(mask)).block_until_ready()
-    assert len(traces) == 1
+    def calls():
+        for seed, lengths in [(0, (6, 4)), (1, (2, 5)), (2, (6, 6))]:
+            x, mask = make_inputs(seed, lengths)
+            yield params, jnp.asarray(x), jnp.asarray(mask)
+
+    assert_traced_once(fwd, calls())
 
 
 def test_gradients_finite_including_empty_sequence():
     module, params = init_tsa("tt")
     x, mask = make_inputs(6, lengths=(3, 0))
 
-    def loss(params, x):
-        y = module.apply({"params": params}, x, jnp.asarray(mask), deterministic=True)
-        return jnp.sum(jnp.where(jnp.asarray(mask)[..., None], y, 0.0) ** 2)
+    def apply(params, x):
+        return module.apply({"params": params}, x, jnp.asarray(mask), deterministic=True)
 
-    g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(x))
+    g_params, g_x = masked_grads_are_finite(apply, params, jnp.asarray(x), jnp.asarray(mask))
     leaves = jax.tree.leaves(g_params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
     assert any(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)

@@ -21,6 +21,7 @@ from sbm_jax.layers import (
     tt_ranks,
     tt_to_dense,
 )
+from tests.attention_testing import tt_dense_by_loops
 
 IN_MODES = (2, 3, 2)
 OUT_MODES = (3, 2, 4)
@@ -44,30 +45,16 @@ def numpy_dense_from_cores(cores) -> np.ndarray:
     return w.reshape(i_dim, j_dim)
 
 
-def numpy_dense_by_loops(cores) -> np.ndarray:
-    """Same weight, entry by entry from the definition (independent of einsum index order)."""
-    in_modes = [c.shape[1] for c in cores]
-    out_modes = [c.shape[2] for c in cores]
-    w = np.zeros((math.prod(in_modes), math.prod(out_modes)))
-    for row, i_idx in enumerate(np.ndindex(*in_modes)):
-        for col, j_idx in enumerate(np.ndindex(*out_modes)):
-            prod = np.ones((1, 1))
-            for core, i, j in zip(cores, i_idx, j_idx, strict=True):
-                prod = prod @ np.asarray(core[:, i, j, :], np.float64)
-            w[row, col] = prod[0, 0]
-    return w
-
-
 def test_numpy_references_agree():
     cores = random_cores(0)
-    np.testing.assert_allclose(numpy_dense_from_cores(cores), numpy_dense_by_loops(cores), 1e-10)
+    np.testing.assert_allclose(numpy_dense_from_cores(cores), tt_dense_by_loops(cores), 1e-10)
 
 
 def test_tt_to_dense_matches_definition():
     cores = random_cores(1)
     w = tt_to_dense([jnp.asarray(c) for c in cores])
     assert w.shape == (12, 24)
-    np.testing.assert_allclose(np.asarray(w), numpy_dense_by_loops(cores), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(w), tt_dense_by_loops(cores), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
@@ -75,7 +62,7 @@ def test_tt_contract_equals_dense_matmul(lead):
     cores = random_cores(2)
     x = np.random.default_rng(3).standard_normal((*lead, 12)).astype(np.float32)
     y = tt_contract(jnp.asarray(x), [jnp.asarray(c) for c in cores])
-    expected = x.astype(np.float64) @ numpy_dense_by_loops(cores)
+    expected = x.astype(np.float64) @ tt_dense_by_loops(cores)
     assert y.shape == (*lead, 24)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4)
 
@@ -93,7 +80,7 @@ def test_tt_contract_gradients_match_dense():
     gx_tt, gc_tt = jax.grad(loss_tt, argnums=(0, 1))(x, cores)
     gx_dense, gc_dense = jax.grad(loss_dense, argnums=(0, 1))(x, cores)
     # Closed form for the input gradient: cos(x W) W^T.
-    w = numpy_dense_by_loops([np.asarray(c) for c in cores])
+    w = tt_dense_by_loops([np.asarray(c) for c in cores])
     xw = np.asarray(x, np.float64) @ w
     np.testing.assert_allclose(np.asarray(gx_tt), np.cos(xw) @ w.T, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(gx_tt), np.asarray(gx_dense), rtol=1e-4, atol=1e-4)
@@ -109,7 +96,7 @@ def test_ttdense_module_matches_dense_with_bias():
     bias = np.random.default_rng(8).standard_normal(24).astype(np.float32)
     params = {f"core_{n}": jnp.asarray(c) for n, c in enumerate(cores)} | {"bias": bias}
     y = layer.apply({"params": params}, x)
-    expected = np.asarray(x, np.float64) @ numpy_dense_by_loops(cores) + bias
+    expected = np.asarray(x, np.float64) @ tt_dense_by_loops(cores) + bias
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4)
     assert [c.shape for c in tt_cores_of(params)] == tt_core_shapes(IN_MODES, OUT_MODES, RANKS)
 
@@ -121,7 +108,7 @@ def test_ttdense_auto_modes_for_unequal_dims():
     cores = tt_cores_of(params)
     assert [c.shape[1] for c in cores] == [2, 2, 3]
     assert [c.shape[2] for c in cores] == [2, 2, 2]
-    w = numpy_dense_by_loops([np.asarray(c) for c in cores])
+    w = tt_dense_by_loops([np.asarray(c) for c in cores])
     np.testing.assert_allclose(
         np.asarray(layer.apply({"params": params}, x)), np.ones((2, 12)) @ w, rtol=1e-4, atol=1e-4
     )
