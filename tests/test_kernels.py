@@ -1,0 +1,248 @@
+"""Fast edge kernels against the segment reference, the dense reference and numpy loops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbm_jax import EdgeList, dense_masked_attention, edge_attention
+from sbm_jax.kernels import KERNELS, row_blocks, rows_edge_attention
+
+N, M, D, DV = 23, 19, 4, 3
+
+
+def _edges(mask: np.ndarray, extra_slots: int) -> EdgeList:
+    rows, cols = np.nonzero(mask)  # row-major: sorted by (row, col), unique
+    e, cap = len(rows), len(rows) + extra_slots
+    return EdgeList(
+        rows=jnp.asarray(
+            np.concatenate([rows, np.full(extra_slots, mask.shape[0] - 1)]), jnp.int32
+        ),
+        cols=jnp.asarray(np.concatenate([cols, np.arange(extra_slots) % mask.shape[1]]), jnp.int32),
+        valid=jnp.asarray(np.arange(cap) < e),
+        probs=jnp.zeros((cap,), jnp.float32),
+    )
+
+
+def _mask(seed: int, density: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    mask = rng.random((N, M)) < density
+    mask[1] = False  # empty rows, one at the start, a run in the middle, the last one
+    mask[7:10] = False
+    mask[-1] = False
+    mask[4] = True  # a full row: spans many virtual rows when R is small
+    return mask
+
+
+def _inputs(seed: int, cap: int):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (N, D))
+    k = jax.random.normal(ks[1], (M, D))
+    v = jax.random.normal(ks[2], (M, DV))
+    scale = jax.random.uniform(ks[3], (cap,), minval=0.5, maxval=1.5)
+    g = jax.random.normal(ks[4], (N, DV))
+    return q, k, v, scale, g
+
+
+def _naive(q, k, v, edges: EdgeList, scale) -> np.ndarray:
+    # float64 loops over the valid slots of each row.
+    q, k, v, scale = (np.asarray(a, np.float64) for a in (q, k, v, scale))
+    rows, cols, ok = (np.asarray(a) for a in (edges.rows, edges.cols, edges.valid))
+    out = np.zeros((q.shape[0], v.shape[1]))
+    for i in range(q.shape[0]):
+        sel = np.nonzero(ok & (rows == i))[0]
+        if len(sel) == 0:
+            continue
+        s = np.array([q[i] @ k[cols[e]] / np.sqrt(q.shape[1]) * scale[e] for e in sel])
+        w = np.exp(s - s.max())
+        out[i] = (w / w.sum()) @ v[cols[sel]]
+    return out
+
+
+# (slots_per_row, block_slots): one virtual row per block, rows split across virtual
+# rows and blocks, several rows per block, and the defaults.
+CONFIGS = [(1, 1), (3, 5), (8, 16), (None, 2**14)]
+
+
+@pytest.mark.parametrize("r,bs", CONFIGS)
+def test_forward_matches_naive_and_dense(r, bs):
+    mask = _mask(0, 0.3)
+    edges = _edges(mask, extra_slots=11)
+    q, k, v, scale, _ = _inputs(0, edges.capacity)
+    out = rows_edge_attention(q, k, v, edges, edge_scale=scale, slots_per_row=r, block_slots=bs)
+    np.testing.assert_allclose(out, _naive(q, k, v, edges, scale), atol=2e-6)
+    dense = dense_masked_attention(q, k, v, jnp.asarray(mask))
+    plain = rows_edge_attention(q, k, v, edges, slots_per_row=r, block_slots=bs)
+    np.testing.assert_allclose(plain, dense, atol=2e-6)
+    empty = np.nonzero(~mask.any(axis=1))[0]
+    assert len(empty) >= 5 and np.all(np.asarray(out)[empty] == 0.0), "empty rows are exactly 0"
+
+
+@pytest.mark.parametrize("r,bs", CONFIGS)
+def test_gradients_match_segment_and_dense(r, bs):
+    mask = _mask(1, 0.35)
+    edges = _edges(mask, extra_slots=7)
+    q, k, v, scale, g = _inputs(1, edges.capacity)
+    e = int(mask.sum())
+
+    def loss(impl_fn):
+        return lambda q, k, v, s: jnp.sum(impl_fn(q, k, v, s) * g)
+
+    rows_fn = lambda q, k, v, s: rows_edge_attention(
+        q, k, v, edges, edge_scale=s, slots_per_row=r, block_slots=bs
+    )
+    seg_fn = lambda q, k, v, s: edge_attention(q, k, v, edges, edge_scale=s)
+    got = jax.grad(loss(rows_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
+    ref = jax.grad(loss(seg_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
+    for name, a, b in zip("qkvs", got, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=3e-6, err_msg=f"d{name}")
+    assert np.all(np.asarray(got[3])[e:] == 0.0), "empty slots get exactly zero gradient"
+
+    # Independent reference: the dense masked attention with the scale as an [n, m] matrix.
+    rr, cc = np.asarray(edges.rows)[:e], np.asarray(edges.cols)[:e]
+
+    def dense_fn(q, k, v, s):
+        full = jnp.zeros((N, M)).at[rr, cc].set(s[:e])
+        return dense_masked_attention(q, k, v, jnp.asarray(mask), scale=full)
+
+    dref = jax.grad(loss(dense_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
+    for name, a, b in zip("qkv", got[:3], dref[:3], strict=False):
+        np.testing.assert_allclose(a, b, atol=3e-6, err_msg=f"dense d{name}")
+    np.testing.assert_allclose(got[3][:e], dref[3][:e], atol=3e-6)
+
+
+def test_dropout_matches_segment_with_the_same_key():
+    mask = _mask(2, 0.4)
+    edges = _edges(mask, extra_slots=5)
+    q, k, v, scale, g = _inputs(2, edges.capacity)
+    kw = dict(edge_scale=scale, dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(9))
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(edge_attention(q, k, v, edges, impl=impl, **kw) * g)
+
+    np.testing.assert_allclose(
+        edge_attention(q, k, v, edges, impl="rows", **kw),
+        edge_attention(q, k, v, edges, **kw),
+        atol=2e-6,
+    )
+    got = jax.grad(loss("rows"), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(loss("segment"), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=3e-6)
+
+
+def test_layout_covers_every_valid_slot_once():
+    mask = _mask(3, 0.25)
+    edges = _edges(mask, extra_slots=9)
+    blocks = row_blocks(edges, N, slots_per_row=3, block_rows=4)
+    row, start, length = (np.asarray(a) for a in blocks)
+    assert len(row) % 4 == 0 and np.all(np.diff(row) >= 0)
+    seen = np.concatenate([np.arange(s, s + n) for s, n in zip(start, length, strict=True)])
+    assert sorted(seen.tolist()) == list(range(int(mask.sum())))
+    erows = np.asarray(edges.rows)
+    for r_, s, n in zip(row, start, length, strict=True):
+        assert np.all(erows[s : s + n] == r_)
+    # every query owns at least one virtual row, so a block's queries are consecutive
+    assert set(range(N)) <= set(row.tolist())
+
+
+def test_batched_jit_checkpoint_like_the_layer():
+    # vmap over (batch, heads) of jit(checkpoint(...)) as the SBM layer runs it.
+    masks = [_mask(s, d) for s, d in ((4, 0.2), (5, 0.5), (6, 0.05))]
+    cap = max(int(m.sum()) for m in masks) + 3
+    lists = [_edges(m, cap - int(m.sum())) for m in masks]
+    edges = jax.tree.map(lambda *a: jnp.stack(a), *lists)
+    ks = jax.random.split(jax.random.PRNGKey(7), 4)
+    q = jax.random.normal(ks[0], (3, N, D))
+    k = jax.random.normal(ks[1], (3, M, D))
+    v = jax.random.normal(ks[2], (3, M, DV))
+    g = jax.random.normal(ks[3], (3, N, DV))
+
+    def run(impl):
+        def one(q, k, v, e):
+            return edge_attention(q, k, v, e, edge_scale=jnp.ones_like(e.probs), impl=impl)
+
+        f = jax.checkpoint(jax.vmap(one))
+        return jax.jit(
+            jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, edges) * g), (0, 1, 2))
+        )(q, k, v)
+
+    (lr, gr), (ls, gs) = run("rows"), run("segment")
+    np.testing.assert_allclose(lr, ls, rtol=1e-5)
+    for a, b in zip(gr, gs, strict=True):
+        np.testing.assert_allclose(a, b, atol=3e-6)
+
+
+def _layer_outputs(kernel: str, with_grad: bool):
+    from sbm_jax.attention import get_attention
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 8))
+    mask = jnp.ones((2, 16), bool).at[1, 12:].set(False)
+
+    def build(kernel):
+        return get_attention("sbm")(
+            num_heads=2,
+            head_dim=4,
+            out_dim=8,
+            num_clusters=4,
+            impl="sparse",
+            capacity_buckets=(0.75,),
+            max_dense_elements=1,  # one sparse branch only: keeps compilation short
+            kernel=kernel,
+        )
+
+    rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
+    init = jax.jit(lambda x: build("segment").init(rngs, x, mask, deterministic=False))
+    params = {"params": init(x)["params"]}
+
+    def f(p, x):
+        out = build(kernel).apply(p, x, mask, deterministic=False, rngs={"sample": rngs["sample"]})
+        return jnp.sum(out**2)
+
+    if with_grad:
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, x)
+    return jax.jit(lambda p, x: build(kernel).apply(p, x, mask, rngs={"sample": rngs["sample"]}))(
+        params, x
+    )
+
+
+@pytest.mark.slow  # two layer compilations: ~30 s on a loaded 2-core CPU
+def test_sbm_layer_with_rows_kernel_matches_segment():
+    # The layer's sparse path (sampler, STE, kernel) under vmap + lax.switch + checkpoint.
+    np.testing.assert_allclose(
+        _layer_outputs("rows", False), _layer_outputs("segment", False), atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_sbm_layer_gradients_with_rows_kernel_match_segment():
+    (lr, gr), (ls, gs) = _layer_outputs("rows", True), _layer_outputs("segment", True)
+    np.testing.assert_allclose(lr, ls, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gs), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_arguments_are_named():
+    edges = _edges(_mask(0, 0.3), extra_slots=0)
+    q, k, v, _, _ = _inputs(0, edges.capacity)
+    with pytest.raises(ValueError, match="impl='nope'"):
+        edge_attention(q, k, v, edges, impl="nope")
+    with pytest.raises(ValueError, match="slots_per_row"):
+        rows_edge_attention(q, k, v, edges, slots_per_row=0)
+    with pytest.raises(ValueError, match="block_slots"):
+        rows_edge_attention(q, k, v, edges, block_slots=0)
+    assert "rows" in KERNELS
+
+
+def test_cost_model_marks_buckets_by_closed_form():
+    from sbm_jax.kernels.cost import SLOT_COST_IN_DENSE_SCORES, sparse_buckets_worth_it
+
+    n = m = 1000
+    dense = n * m * (1 + 128 / 64)  # attention + the n m k probability matrix
+    per_slot = SLOT_COST_IN_DENSE_SCORES["rows"]
+    caps = (n * m // 64, n * m // 16, n * m // 4, n * m)
+    got = sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="rows")
+    assert got == tuple(c * per_slot < dense for c in caps)
+    assert got[0] and not got[-1]
+    with pytest.raises(ValueError, match="kernel='nope'"):
+        sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="nope")
