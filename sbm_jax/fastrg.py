@@ -11,11 +11,12 @@ Two edge laws are exact:
 * ``poisson``: the raw fastRG law. A pair is present with probability
   ``1 - exp(-(p + delta))``.
 * ``bernoulli`` (default): independent ``Bernoulli(min(1, p + delta))`` per pair, the
-  paper's model (``E[M] = p``). Realised by oversampling at rate ``c (p + delta)`` with
-  ``c = -log(1 - q) / q`` for a cheap upper bound ``q >= max(p + delta)`` and keeping
-  each collapsed edge with probability ``r / (1 - exp(-c r))``, ``r = p + delta``. When
-  ``q`` exceeds :data:`BERNOULLI_MAX_BOUND` the oversampling would cost too much and the
-  draw is made densely instead (still the same law).
+  paper's model (``E[M] = p``). Realised by oversampling row ``i`` at rate
+  ``c_i (p + delta)`` with ``c_i = -log(1 - q_i) / q_i`` for a cheap per-row upper bound
+  ``q_i >= max_j (p_ij + delta)`` and keeping each collapsed edge with probability
+  ``r / (1 - exp(-c_i r))``, ``r = p + delta``. When some ``q_i`` exceeds
+  :data:`BERNOULLI_MAX_BOUND` the oversampling would cost too much and the draw is made
+  densely instead (still the same law).
 
 Exploration ``delta`` is one extra cluster whose membership is 1 for every real token
 and whose block entry is ``delta``: exactly ``p + delta`` on real pairs, still low rank.
@@ -33,9 +34,9 @@ import jax.numpy as jnp
 from sbm_jax.graph import EdgeList
 
 LAWS = ("bernoulli", "poisson")
-# Above this bound on p + delta the bernoulli oversampling factor c = -log(1-q)/q
-# exceeds ~4 (and diverges at 1): such graphs are drawn densely instead.
-BERNOULLI_MAX_BOUND = 0.98
+# Above this row bound on p + delta the bernoulli oversampling factor c = -log(1-q)/q
+# exceeds ~5.3 (and diverges at 1): such graphs are drawn densely instead.
+BERNOULLI_MAX_BOUND = 0.995
 
 
 class SamplingPlan(flax.struct.PyTreeNode):
@@ -52,16 +53,12 @@ class SamplingPlan(flax.struct.PyTreeNode):
     zcdf: jax.Array  # [K, m] per-cluster cumulative membership of keys
     bcdf: jax.Array  # [K*K] cumulative block weights Bbar (flattened row-major)
     expected_edges: jax.Array  # [] sum of (p + delta) over all pairs
-    oversample: jax.Array  # [] c: draws are Poisson(c * expected_edges)
-    bound: jax.Array  # [] q: upper bound on p + delta (bernoulli law)
+    expected_draws: jax.Array  # [] mean Poisson draw count: sum of c_i (p_ij + delta)
+    oversample: jax.Array  # [n] c_i: row i is drawn at rate c_i (p_ij + delta)
+    bound: jax.Array  # [] max_i q_i, the largest row bound on p + delta (bernoulli law)
     delta: jax.Array  # [] exploration probability
     q_mask: jax.Array  # [n] bool
     k_mask: jax.Array  # [m] bool
-
-    @property
-    def expected_draws(self) -> jax.Array:
-        """Mean of the Poisson draw count."""
-        return self.oversample * self.expected_edges
 
 
 def check_law(law: str, field: str = "law") -> None:
@@ -98,21 +95,25 @@ def make_plan(
     ys = yq @ block
     # The draws are discrete: only ys and z (the per-edge probabilities) carry gradients.
     sg = jax.lax.stop_gradient
-    ycdf = jnp.cumsum(sg(y), axis=0).T
+    if law == "bernoulli":
+        # Per-row bound q_i >= max_j (p_ij + delta); oversampling row i by
+        # c_i = -log(1 - q_i) / q_i keeps the rate matrix low rank (diag(c) Y S Z^T) and
+        # costs extra draws only on the rows whose bound is high.
+        zmax = jnp.max(sg(zk), axis=0)  # masked rows are 0, memberships are >= 0
+        row_bound = (sg(ys) @ zmax + sg(delta)) * q_mask * jnp.any(k_mask)
+        safe = jnp.clip(row_bound, 1e-6, 1.0 - 1e-7)
+        oversample = jnp.where(row_bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
+        bound = jnp.max(row_bound, initial=0.0)
+    else:
+        bound = jnp.asarray(0.0, f32)
+        oversample = jnp.ones((n,), f32)
+    ycdf = jnp.cumsum(sg(y) * oversample[:, None], axis=0).T
     zcdf = jnp.cumsum(sg(z), axis=0).T
     ysum, zsum = ycdf[:, -1], zcdf[:, -1]
     bbar = ysum[:, None] * sg(big_block) * zsum[None, :]
     bcdf = jnp.cumsum(bbar.reshape(-1))
-    expected = bcdf[-1]
+    expected = jnp.sum(sg(y), axis=0) @ sg(big_block) @ zsum
 
-    if law == "bernoulli":
-        zmax = jnp.max(sg(zk), axis=0)  # masked rows are 0, memberships are >= 0
-        bound = jnp.max(sg(ys) @ zmax, initial=0.0) + sg(delta) * jnp.any(k_mask)
-        safe = jnp.clip(bound, 1e-6, 1.0 - 1e-7)
-        oversample = jnp.where(bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
-    else:
-        bound = jnp.asarray(0.0, f32)
-        oversample = jnp.asarray(1.0, f32)
     return SamplingPlan(
         y=y,
         z=z,
@@ -121,6 +122,7 @@ def make_plan(
         zcdf=zcdf,
         bcdf=bcdf,
         expected_edges=expected,
+        expected_draws=bcdf[-1],
         oversample=oversample.astype(f32),
         bound=bound.astype(f32),
         delta=delta,
@@ -197,10 +199,11 @@ def edge_probs(plan: SamplingPlan, rows: jax.Array, cols: jax.Array) -> jax.Arra
     return _chunked(dot, rows, cols)
 
 
-def _keep_probability(plan: SamplingPlan, p: jax.Array) -> jax.Array:
+def _keep_probability(plan: SamplingPlan, p: jax.Array, rows: jax.Array) -> jax.Array:
     r = p + plan.delta
-    cr = plan.oversample * r
-    return jnp.where(cr > 1e-7, r / -jnp.expm1(-jnp.maximum(cr, 1e-7)), 1.0 / plan.oversample)
+    c = plan.oversample[rows]
+    cr = c * r
+    return jnp.where(cr > 1e-7, r / -jnp.expm1(-jnp.maximum(cr, 1e-7)), 1.0 / c)
 
 
 def _first_occurrences(keys: jax.Array, sentinel: int) -> jax.Array:
@@ -280,7 +283,7 @@ def sample_from_plan(
         r_idx = jnp.where(keep, keys // m, 0)
         c_idx = jnp.where(keep, keys % m, 0)
         p_draw = jax.lax.stop_gradient(edge_probs(plan, r_idx, c_idx))
-        accept = _keep_probability(plan, p_draw)
+        accept = _keep_probability(plan, p_draw, r_idx)
         keep = keep & (jax.random.uniform(k_keep, (capacity,)) < accept)
     out_capacity = capacity
     if forced_keys is not None:

@@ -190,3 +190,19 @@ def test_mismatched_clusters():
         sample_sbm_graph(jax.random.PRNGKey(0), q, s[:3, :3], k, capacity=10)
     with pytest.raises(ValueError, match="k_memberships"):
         sample_sbm_graph(jax.random.PRNGKey(0), q, s, k[None], capacity=10)
+
+
+def test_bernoulli_rows_are_oversampled_by_their_own_bound():
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    p = _dense_p(q, s, k)
+    real = Q_MASK[:, None] & K_MASK[None, :]
+    row_max = np.where(real, p + DELTA, 0).max(1)
+    # Independent recomputation of each row's bound and factor from memberships.
+    zmax = (np.asarray(k, np.float64) * K_MASK[:, None]).max(0)
+    q_row = ((np.asarray(q, np.float64) @ np.asarray(s, np.float64)) @ zmax + DELTA) * Q_MASK
+    assert np.all(q_row >= row_max - 1e-6)
+    c = np.where(q_row > 0, -np.log1p(-q_row) / np.maximum(q_row, 1e-12), 1.0)
+    np.testing.assert_allclose(np.asarray(plan.oversample), c, rtol=1e-4)
+    want = (c[:, None] * np.where(real, p + DELTA, 0)).sum()
+    np.testing.assert_allclose(float(plan.expected_draws), want, rtol=1e-4)
