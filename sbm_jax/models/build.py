@@ -24,6 +24,7 @@ from sbm_jax.models.heads import (
     TokenClassifier,
     TokenHead,
 )
+from sbm_jax.models.tsa_classifier import TSAClassifier
 
 HEAD_KINDS = ("classification", "token", "dual_encoder")
 
@@ -77,8 +78,41 @@ def build_encoder(model: Any) -> Encoder:
     )
 
 
+ARCHITECTURES = ("encoder", "tsa_classifier")
+
+
+def build_tsa_classifier(model: Any) -> TSAClassifier:
+    """The TSA paper's seven-layer text classifier from the ``model`` config section."""
+    tsa = _options(model.get("attention_options"))
+    return TSAClassifier(
+        vocab_size=int(model.vocab_size),
+        num_classes=int(model.num_classes),
+        embed_dim=int(model.emb_dim),
+        num_heads=int(model.num_heads),
+        head_dim=int(model.head_dim),
+        hidden_dim=int(model.classifier_dim),
+        dropout_rate=float(model.dropout),
+        attention_dropout=float(model.attention_dropout),
+        dtype=model_dtype(str(model.get("dtype", "float32"))),
+        **tsa,
+    )
+
+
 def build_model(model: Any, head: str) -> nn.Module:
-    """Encoder plus the ``head`` a task asks for ("classification", "token", "dual_encoder")."""
+    """Encoder plus the ``head`` a task asks for ("classification", "token", "dual_encoder"),
+    or, with ``model.architecture="tsa_classifier"``, the TSA paper's text classifier."""
+    architecture = str(model.get("architecture", "encoder"))
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"model.architecture={architecture!r} is not one of {ARCHITECTURES}")
+    if architecture == "tsa_classifier":
+        if head != "classification":
+            raise ValueError(
+                f"model.architecture='tsa_classifier' is a sequence classifier; "
+                f"the task asks for a {head!r} head"
+            )
+        if str(model.attention) != "tsa":
+            raise ValueError("model.architecture='tsa_classifier' needs model.attention='tsa'")
+        return build_tsa_classifier(model)
     encoder = build_encoder(model)
     dtype = encoder.dtype
     if head == "classification":

@@ -20,7 +20,7 @@ Array = jax.Array
 
 
 class TSAClassifier(nn.Module):
-    """tokens [B, L] int, mask [B, L] bool -> logits [B, num_classes].
+    """inputs [B, L] int, mask [B, L] bool -> logits [B, num_classes].
 
     Attributes:
       vocab_size: embedding rows (the paper keeps the 20,000 most common words).
@@ -49,8 +49,10 @@ class TSAClassifier(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens: Array, mask: Array, *, deterministic: bool) -> Array:
-        """tokens: [batch, length] int; mask: [batch, length] bool -> [batch, num_classes]."""
+    def __call__(self, inputs: Array, mask: Array, *, deterministic: bool) -> Array:
+        """inputs: [batch, length] int token ids; mask: [batch, length] bool
+        -> [batch, num_classes] logits (the same call as the encoder's classifiers)."""
+        tokens = inputs
         for field in ("vocab_size", "num_classes", "embed_dim", "hidden_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:

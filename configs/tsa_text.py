@@ -1,0 +1,37 @@
+"""The Tensorized Spectral Attention paper's seven-layer text classifier (a model config).
+
+Embedding -> TSA (H=2, tensor-train projections) -> average pooling -> dropout ->
+dense 20 relu -> dropout -> softmax, on the LRA Text task (byte-level IMDB). The paper
+classifies word tokens (20,000 most common words, 200 tokens); here the tokens are the
+task's bytes, so only the vocabulary differs.
+
+  python scripts/train.py --config=configs/tsa_text.py            # LRA Text, paper length
+  python scripts/train.py --config=configs/tsa_text.py:reduced    # shorter, for CPU runs
+  python scripts/train.py --config=configs/tsa_text.py:smoke      # seconds, random data
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs.lra import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """``arg`` = "[paper|reduced|smoke][,seed=N]" (the LRA presets; the mechanism is TSA)."""
+    parts = [p for p in (arg or "").replace(" ", "").split(",") if p]
+    config = common.base_config("text", ",".join(["tsa", *parts]))
+    config.name = config.name.replace("lra_text_tsa", "tsa_text")  # run name
+    model = config.model
+    model.architecture = "tsa_classifier"  # the TSA paper's classifier, not the encoder
+    model.emb_dim = 16  # embedding size I (a power of two gives the QTT setting, I_n = 2)
+    model.num_heads = 2  # TSA heads (TSA paper: H = 2)
+    model.head_dim = 8  # per-head key/value width; num_heads * head_dim == emb_dim
+    model.classifier_dim = 20  # units of the relu dense layer (TSA paper: 20)
+    model.dropout = 0.1  # both dropout layers (TSA paper: 0.1)
+    model.attention_dropout = 0.0  # TSA has no attention weights to drop
+    model.attention_options = ml_collections.ConfigDict()
+    model.attention_options.damping = 0.9  # c in Omega = c^|l1 - l2| (docs/tsa.md)
+    model.attention_options.projection = "tt"  # "tt" (MPO layers, QTT) or "dense"
+    model.attention_options.tt_rank = 2  # TT ranks R_n (QTT: 2)
+    return config

@@ -1,0 +1,40 @@
+"""The TSA text classifier as a model config: it builds from config and trains."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs.tsa_text import get_config
+from sbm_jax.models.build import build_model
+from sbm_jax.models.tsa_classifier import TSAClassifier
+from sbm_jax.tasks import build_task
+
+
+def test_config_builds_the_tsa_classifier_and_trains():
+    import lra.train_task  # noqa: F401  (registers the LRA tasks)
+
+    config = get_config("smoke")
+    task = build_task(config)
+    model = build_model(config.model, task.head)
+    assert isinstance(model, TSAClassifier)
+    assert model.hidden_dim == 20 and model.num_heads == 2
+    batch = next(task.train_batches(0))
+    rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+    params = model.init(rngs, **task.model_inputs(batch), deterministic=True)["params"]
+    logits = model.apply({"params": params}, **task.model_inputs(batch), deterministic=True)
+    assert logits.shape == (batch["inputs"].shape[0], config.model.num_classes)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_tsa_classifier_needs_a_classification_task_and_tsa():
+    config = get_config("smoke")
+    with pytest.raises(ValueError, match="token"):
+        build_model(config.model, "token")
+    with config.unlocked():
+        config.model.attention = "full"
+    with pytest.raises(ValueError, match="model.attention"):
+        build_model(config.model, "classification")
+    with config.unlocked():
+        config.model.architecture = "mlp"
+    with pytest.raises(ValueError, match="model.architecture"):
+        build_model(config.model, "classification")
