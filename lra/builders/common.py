@@ -136,3 +136,20 @@ def open_catalog_split(name: str, split: str, data_dir: str | os.PathLike | None
     TFDS's own and downloads the public data).
     """
     return tfds.data_source(name, split=split, data_dir=data_dir, download=True)
+
+
+def catalog_split_generators(
+    builder: Any, catalog_name: str, catalog_splits: dict[str, str]
+) -> dict[str, Any]:
+    """``_split_generators`` of a builder that re-encodes a TFDS catalog dataset.
+
+    Each of our splits maps to a catalog split (slicing allowed, e.g. ``train[:45000]``);
+    the catalog is read from the builder's ``_catalog_data_dir`` or its own data dir.
+    """
+    data_dir = builder._catalog_data_dir or builder._data_dir_root
+    return {
+        split: builder._generate_examples(
+            source=open_catalog_split(catalog_name, catalog_split, data_dir), split=split
+        )
+        for split, catalog_split in catalog_splits.items()
+    }

@@ -58,14 +58,7 @@ class LraText(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-        data_dir = self._catalog_data_dir or self._data_dir_root
-        return {
-            split: self._generate_examples(
-                source=common.open_catalog_split(CATALOG_NAME, catalog_split, data_dir),
-                split=split,
-            )
-            for split, catalog_split in CATALOG_SPLITS.items()
-        }
+        return common.catalog_split_generators(self, CATALOG_NAME, CATALOG_SPLITS)
 
     def _generate_examples(self, source, split: str):
         max_length = self.builder_config.max_length
