@@ -26,8 +26,13 @@ def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 
 
 def edge_scores(q: jax.Array, k: jax.Array, edges: EdgeList) -> jax.Array:
-    """``[C]`` scaled dot products ``q_row . k_col / sqrt(d)`` (0 in empty slots)."""
-    s = jnp.sum(q[edges.rows] * k[edges.cols], axis=-1) / math.sqrt(q.shape[-1])
+    """``[C]`` float32 scaled dot products ``q_row . k_col / sqrt(d)`` (0 in empty slots).
+
+    Scores and the softmax statistics are float32 whatever the input dtype (bf16 inputs
+    keep float32 softmax statistics)."""
+    f32 = jnp.float32
+    s = jnp.sum(q[edges.rows].astype(f32) * k[edges.cols].astype(f32), axis=-1)
+    s = s / math.sqrt(q.shape[-1])
     return jnp.where(edges.valid, s, 0.0)
 
 
@@ -96,8 +101,9 @@ def edge_attention(
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
         w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
-    contrib = w[:, None].astype(v.dtype) * v[edges.cols]
-    return jax.ops.segment_sum(contrib, edges.rows, num_segments=n, indices_are_sorted=True)
+    contrib = w[:, None] * v[edges.cols].astype(jnp.float32)  # accumulate in float32
+    out = jax.ops.segment_sum(contrib, edges.rows, num_segments=n, indices_are_sorted=True)
+    return out.astype(v.dtype)
 
 
 def dense_masked_attention(
@@ -118,7 +124,8 @@ def dense_masked_attention(
     _check_qkv(q, k, v)
     if mask.shape != (q.shape[0], k.shape[0]):
         raise ValueError(f"mask must be [{q.shape[0]}, {k.shape[0]}], got {mask.shape}")
-    s = (q @ k.T) / math.sqrt(q.shape[-1])
+    s = jnp.einsum("nd,md->nm", q, k, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(q.shape[-1])  # float32 scores and softmax statistics
     if scale is not None:
         s = s * jnp.where(mask, scale, 0.0)
     masked = jnp.where(mask, s, -jnp.inf)
@@ -130,4 +137,5 @@ def dense_masked_attention(
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
         w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
-    return w.astype(v.dtype) @ v
+    out = jnp.einsum("nm,md->nd", w, v.astype(jnp.float32))
+    return out.astype(v.dtype)
