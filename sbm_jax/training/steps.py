@@ -40,7 +40,7 @@ def shard_batch(batch: Batch, mesh: Mesh) -> dict[str, Array]:
     return jax.device_put(dict(batch), data_sharding(mesh))
 
 
-def _step_rngs(base: Array, step: Array) -> dict[str, Array]:
+def step_rngs(base: Array, step: Array) -> dict[str, Array]:
     dropout_rng, sample_rng = jax.random.split(jax.random.fold_in(base, step))
     return {"dropout": dropout_rng, "sample": sample_rng}
 
@@ -64,6 +64,30 @@ def _forward(
     return loss, metrics, collect_attention_stats(mutables)
 
 
+def loss_and_grads(
+    state: TrainState,
+    task: Task,
+    batch: Batch,
+    rngs: dict[str, Array],
+    density_lambda: float,
+) -> tuple[Array, dict[str, Any], dict[str, Any], Any]:
+    """Training objective on one batch: ``(total, metrics, stats, grads)``.
+
+    ``total`` is the task loss plus ``density_lambda * mean density`` (the sown,
+    differentiable density); ``grads`` are with respect to ``state.params``.
+    """
+
+    def objective(params: Any) -> tuple[Array, tuple[dict[str, Any], dict[str, Any]]]:
+        loss, metrics, stats = _forward(state, params, task, batch, rngs, False)
+        total = loss
+        if "density" in stats and density_lambda:
+            total = loss + density_lambda * stats["density"]
+        return total, (metrics, stats)
+
+    (total, (metrics, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    return total, metrics, stats, grads
+
+
 def make_train_step(
     task: Task, mesh: Mesh, density_lambda: float, schedule: optax.Schedule | None = None
 ) -> StepFn:
@@ -75,16 +99,8 @@ def make_train_step(
     """
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        rngs = _step_rngs(state.rng, state.step)
-
-        def objective(params: Any) -> tuple[Array, tuple[dict[str, Any], dict[str, Any]]]:
-            loss, metrics, stats = _forward(state, params, task, batch, rngs, False)
-            total = loss
-            if "density" in stats and density_lambda:
-                total = loss + density_lambda * stats["density"]
-            return total, (metrics, stats)
-
-        (total, (metrics, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        rngs = step_rngs(state.rng, state.step)
+        total, metrics, stats, grads = loss_and_grads(state, task, batch, rngs, density_lambda)
         new_state = state.apply_gradients(grads=grads)
         out = dict(metrics)
         out.update(jax.lax.stop_gradient(stats))

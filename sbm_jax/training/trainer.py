@@ -51,8 +51,13 @@ from sbm_jax.training.checkpoints import RunCheckpoints
 from sbm_jax.training.config_checks import ConfigError, prepare_output_dir, validate_config
 from sbm_jax.training.metrics import MetricsWriter, ProgressBar, to_python
 from sbm_jax.training.state import TrainState, create_train_state, learning_rate_schedule
-from sbm_jax.training.stats import collect_attention_stats
-from sbm_jax.training.steps import make_mesh, replicated, shard_batch
+from sbm_jax.training.steps import (
+    loss_and_grads,
+    make_mesh,
+    replicated,
+    shard_batch,
+    step_rngs,
+)
 from sbm_jax.training.task import Batch, Task
 
 Array = jax.Array
@@ -152,27 +157,8 @@ def make_accumulating_train_step(
         def micro(grad_sum: Any, xs: tuple[Array, Batch]) -> tuple[Any, dict[str, Any]]:
             index, mb = xs
             base = state.rng if accum_steps == 1 else jax.random.fold_in(state.rng, index)
-            dropout_rng, sample_rng = jax.random.split(jax.random.fold_in(base, state.step))
-            rngs = {"dropout": dropout_rng, "sample": sample_rng}
-
-            def objective(params: Any) -> tuple[Array, tuple[dict[str, Any], dict[str, Any]]]:
-                logits, mutables = state.apply_fn(
-                    {"params": params},
-                    **task.model_inputs(mb),
-                    deterministic=False,
-                    rngs=rngs,
-                    mutable=[STATS_COLLECTION],
-                )
-                loss, metrics = task.loss_fn(logits, mb)
-                stats = collect_attention_stats(mutables)
-                total = loss
-                if "density" in stats and density_lambda:
-                    total = loss + density_lambda * stats["density"]
-                return total, (metrics, stats)
-
-            (total, (metrics, stats)), grads = jax.value_and_grad(objective, has_aux=True)(
-                state.params
-            )
+            rngs = step_rngs(base, state.step)
+            total, metrics, stats, grads = loss_and_grads(state, task, mb, rngs, density_lambda)
             weight = metrics["weight"]
             grad_sum = jax.tree.map(lambda acc, g: acc + g * weight, grad_sum, grads)
             out = dict(metrics)
