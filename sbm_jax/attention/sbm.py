@@ -55,6 +55,13 @@ def choose_bucket(
     return jnp.where(force_dense, len(capacities), idx)
 
 
+def _forced_half_width(self_loops: bool, window: int) -> int | None:
+    """Forced edges are the real pairs with ``|i - j| <= half``; None when there are none."""
+    if window > 0:
+        return window // 2
+    return 0 if self_loops else None
+
+
 def forced_edge_keys(
     q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
 ) -> jax.Array | None:
@@ -64,8 +71,8 @@ def forced_edge_keys(
     ``self_loops`` adds ``(i, i)`` for real tokens.
     """
     n, m = q_mask.shape[0], k_mask.shape[0]
-    half = window // 2 if window > 0 else (0 if self_loops else -1)
-    if half < 0:
+    half = _forced_half_width(self_loops, window)
+    if half is None:
         return None
     offsets = jnp.arange(-half, half + 1)
     i = jnp.arange(n)[:, None]
@@ -79,8 +86,8 @@ def forced_edge_mask(
 ) -> jax.Array | None:
     """Dense ``[n, m]`` form of :func:`forced_edge_keys`."""
     n, m = q_mask.shape[0], k_mask.shape[0]
-    half = window // 2 if window > 0 else (0 if self_loops else -1)
-    if half < 0:
+    half = _forced_half_width(self_loops, window)
+    if half is None:
         return None
     dist = jnp.abs(jnp.arange(n)[:, None] - jnp.arange(m)[None, :])
     return (dist <= half) & q_mask[:, None] & k_mask[None, :]
