@@ -1,4 +1,4 @@
-"""Host-side metric output: JSONL and CSV writers and a plain-text progress bar."""
+"""Host-side metric output: JSONL, CSV and TensorBoard writers and a plain-text progress bar."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any, TextIO
 
 import numpy as np
@@ -27,14 +28,133 @@ def to_python(value: Any) -> Any:
     return array.tolist()
 
 
-class MetricsWriter:
-    """Appends one JSON record per line to ``metrics.jsonl`` and training rows to
-    ``metrics.csv`` (columns step, loss, accuracy, density; density empty when the
-    mechanism sows none). Appending lets a restarted run continue the same files."""
+# Record fields that are bookkeeping, not metrics: not sent to TensorBoard.
+TENSORBOARD_SKIP = frozenset({"step", "split", "time_s"})
+TENSORBOARD_DIR = "tensorboard"
 
-    def __init__(self, output_dir: str) -> None:
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _index_names(name: str, depth: int) -> tuple[str, ...]:
+    """Labels for the indices of a ``depth``-deep nested list stored under ``name``."""
+    if name.endswith("per_head") and depth in (1, 2):
+        return ("layer", "head")[-depth:]
+    if name.endswith("per_layer") and depth == 1:
+        return ("layer",)
+    return ("",) * depth
+
+
+def _list_depth(value: Any) -> int:
+    depth = 0
+    while isinstance(value, list) and value:
+        depth, value = depth + 1, value[0]
+    return depth
+
+
+def tensorboard_scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+    """The ``(name, value)`` scalars of a ``to_python`` record, in key order.
+
+    Numbers are kept as they are (``loss`` -> ``loss``); dicts are walked with ``/``
+    (``density_per_head`` {"encoder/block_0/attention": [..]} ->
+    ``density_per_head/encoder/block_0/attention/head0``); nested lists are indexed, with
+    ``layer``/``head`` labels under a ``*_per_head`` key (``density_per_head`` [[..], [..]]
+    -> ``density_per_head/layer0_head1``) and plain indices otherwise (``x/0_1``). Strings,
+    booleans, ``None`` and the ``step``/``split``/``time_s`` bookkeeping are skipped.
+    """
+
+    def walk(name: str, value: Any, leaf_of: str) -> Iterator[tuple[str, float]]:
+        if _is_number(value):
+            yield name, float(value)
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=str):
+                yield from walk(f"{name}/{key}", value[key], leaf_of)
+        elif isinstance(value, list):
+            labels = _index_names(leaf_of, _list_depth(value))
+            yield from walk_list(name, value, labels, ())
+
+    def walk_list(
+        name: str, value: Any, labels: tuple[str, ...], index: tuple[int, ...]
+    ) -> Iterator[tuple[str, float]]:
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from walk_list(name, item, labels, (*index, i))
+        elif _is_number(value):
+            padded = labels + ("",) * (len(index) - len(labels))
+            suffix = "_".join(f"{label}{i}" for label, i in zip(padded, index, strict=False))
+            yield f"{name}/{suffix}", float(value)
+
+    for key in sorted(record, key=str):
+        if key in TENSORBOARD_SKIP:
+            continue
+        yield from walk(str(key), record[key], str(key))
+
+
+class _TensorBoardEvents:
+    """A synchronous TensorBoard event file: one ``Event`` per record, on disk at ``flush``.
+
+    Built on tensorboardX's ``EventsWriter`` (the record writer under its
+    ``SummaryWriter``) rather than ``SummaryWriter`` itself, whose ``flush`` does not
+    drain its background queue, so events could still be in memory after a flush.
+    """
+
+    def __init__(self, logdir: str) -> None:
+        try:
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+        except ImportError as e:
+            raise ImportError(
+                "MetricsWriter(tensorboard=True) needs the tensorboardX package "
+                "(pip install tensorboardX); pass tensorboard=False to write only "
+                "metrics.jsonl and metrics.csv"
+            ) from e
+        self._event_cls, self._scalar = Event, scalar
+        os.makedirs(logdir, exist_ok=True)
+        # tensorboardX names files by the second and host only; the unique suffix keeps a
+        # writer reopened within the same second (a quick resume) from truncating the last.
+        suffix = f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._writer = EventsWriter(os.path.join(logdir, "events"), suffix)
+
+    def write(self, step: int, scalars: list[tuple[str, float]]) -> None:
+        if not scalars:
+            return
+        event = self._event_cls(wall_time=time.time(), step=step)
+        for tag, value in scalars:
+            event.summary.value.extend(self._scalar(tag, value).value)
+        self._writer.write_event(event)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsWriter:
+    """Appends one JSON record per line to ``metrics.jsonl``, training rows to
+    ``metrics.csv`` (columns step, loss, accuracy, density; density empty when the
+    mechanism sows none) and, with ``tensorboard=True``, every numeric scalar to
+    TensorBoard event files in ``<output_dir>/tensorboard/``. Appending lets a restarted run
+    continue the same files; TensorBoard gets a new event file per writer (it merges them).
+
+    TensorBoard tags are ``<split>/<name>`` with the record's ``split`` ("train" when
+    absent), at the record's ``step``: ``train/loss``, ``dev/accuracy``,
+    ``train/density_per_head/encoder/block_0/attention/head1``; see
+    ``tensorboard_scalars`` for the naming. View with ``tensorboard --logdir <output_dir>``
+    (or the parent of several runs). ``tensorboardX`` is imported only when
+    ``tensorboard=True``.
+    """
+
+    def __init__(self, output_dir: str, tensorboard: bool = True) -> None:
         self.jsonl_path = os.path.join(output_dir, "metrics.jsonl")
         self.csv_path = os.path.join(output_dir, "metrics.csv")
+        self.tensorboard_dir: str | None = None
+        self._tb: _TensorBoardEvents | None = None
+        if tensorboard:
+            self.tensorboard_dir = os.path.join(output_dir, TENSORBOARD_DIR)
+            self._tb = _TensorBoardEvents(self.tensorboard_dir)
         new_csv = not os.path.exists(self.csv_path) or os.path.getsize(self.csv_path) == 0
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         self._csv_file = open(self.csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
@@ -43,19 +163,39 @@ class MetricsWriter:
             self._csv.writerow(CSV_COLUMNS)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Write one record; ``split`` "train" (default) rows also go to the CSV."""
+        """Write one record; ``split`` "train" (default) rows also go to the CSV.
+
+        With TensorBoard on, the record needs an integer ``step``.
+        """
         record = to_python(record)
+        split = record.get("split", "train")
+        step = record.get("step")
+        if self._tb is not None:
+            if isinstance(step, float) and step.is_integer():
+                step = int(step)
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise ValueError(
+                    f"MetricsWriter.write: record 'step' must be an integer for TensorBoard, "
+                    f"got {step!r}; pass tensorboard=False to log records without a step"
+                )
         self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        if record.get("split", "train") == "train":
+        if split == "train":
             self._csv.writerow([record.get(c, "") for c in CSV_COLUMNS])
+        if self._tb is not None:
+            scalars = [(f"{split}/{name}", value) for name, value in tensorboard_scalars(record)]
+            self._tb.write(step, scalars)
 
     def flush(self) -> None:
         self._jsonl.flush()
         self._csv_file.flush()
+        if self._tb is not None:
+            self._tb.flush()
 
     def close(self) -> None:
         self._jsonl.close()
         self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def format_duration(seconds: float) -> str:
