@@ -48,6 +48,9 @@ def sbm_options(edge_law: str) -> ml_collections.ConfigDict:
     options.dense_below = 128 * 128  # "auto" takes the dense path when length**2 <= this
     options.edge_cost = 8.0  # "auto": skip buckets whose edges x edge_cost >= length**2
     options.cluster_init = "paper"  # C init: "paper" (fan-in d_h) or "reference" (fan-in k*d_h)
+    # False: p's STE gradient stops at the membership MLP's input (W_q/W_k learn only from
+    # the scores); True is the paper. See docs/synthetic.md for what it changes here.
+    options.membership_grad = True
     return options
 
 

@@ -1,5 +1,7 @@
 """SBMAttention: path choice, same law on sparse and dense paths, density, padding, retracing."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,3 +323,31 @@ def test_missing_sample_rng_is_explained():
     mod = _module()
     with pytest.raises(ValueError, match="sample"):
         mod.init({"params": jax.random.PRNGKey(0)}, _x(), MASK)
+
+
+def test_membership_grad_false_stops_only_the_membership_path():
+    """Same forward and SBM-parameter gradients; W_q/W_k get no gradient via p."""
+    x = _x()
+    on, off = _module(impl="dense"), _module(impl="dense", membership_grad=False)
+    params = _init(on, x)
+    key = jax.random.PRNGKey(2)
+
+    def density(mod, params):
+        return jnp.mean(_apply(mod, params, x, key)[1][STATS_COLLECTION]["density"][0])
+
+    def output(mod, params):
+        return jnp.mean(_apply(mod, params, x, key)[0] ** 2)
+
+    np.testing.assert_array_equal(_apply(on, params, x, key)[0], _apply(off, params, x, key)[0])
+    g_on, g_off = jax.grad(partial(density, on))(params), jax.grad(partial(density, off))(params)
+    # The density reaches Q/K only through the memberships: stopped entirely.
+    for name in ("query", "key"):
+        assert all(np.abs(np.asarray(g)).sum() > 0 for g in jax.tree.leaves(g_on[name])), name
+        assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(g_off[name])), name
+    for name in ("clusters", "mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2"):
+        np.testing.assert_allclose(g_on[name], g_off[name], rtol=1e-6, atol=1e-9)
+    # Through the output, Q/K still learn from the scores; V is untouched by the switch.
+    o_on, o_off = jax.grad(partial(output, on))(params), jax.grad(partial(output, off))(params)
+    np.testing.assert_allclose(o_on["value"]["kernel"], o_off["value"]["kernel"], rtol=1e-6)
+    assert np.abs(np.asarray(o_off["query"]["kernel"])).sum() > 0
+    assert not np.allclose(o_on["query"]["kernel"], o_off["query"]["kernel"])

@@ -286,6 +286,10 @@ class SBMAttention(nn.Module):
       kernel: edge-attention implementation for the sparse path (see
         :func:`sbm_jax.edge_ops.edge_attention`).
       cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
+      membership_grad: True (the paper): the STE gradient on ``p`` flows through the
+        membership MLP into the query/key projections too. False: Q and K enter the MLP
+        under ``stop_gradient``, so W_q/W_k learn only from the attention scores while
+        the MLP and clusters still learn from ``p`` (a diagnostic; see docs/synthetic.md).
     """
 
     num_heads: int
@@ -306,6 +310,7 @@ class SBMAttention(nn.Module):
     max_dense_elements: int = 2**31
     kernel: str = "segment"
     cluster_init: str = "paper"
+    membership_grad: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
@@ -366,6 +371,8 @@ class SBMAttention(nn.Module):
 
         def node_embed(t: jax.Array) -> jax.Array:  # [B, L, H, hd] -> [B, L, H, hd]
             t = t.astype(jnp.float32)
+            if not self.membership_grad:
+                t = jax.lax.stop_gradient(t)
             eq = "blhd,de->blhe" if self.shared_mlp else "blhd,hde->blhe"
             h = jax.nn.relu(jnp.einsum(eq, t, w1) + b1)
             return jnp.einsum(eq, h, w2) + b2
