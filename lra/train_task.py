@@ -11,6 +11,13 @@ Batches are the grain pipeline's (``lra.input_pipeline``) plus ``weights`` float
 The training order is a pure function of (seed, step): the pipeline is a random-access
 grain ``MapDataset`` (shuffle per epoch, repeat, batch) sliced at the start step, so a
 resumed run sees exactly the batches an uninterrupted run would.
+
+Multi-process jobs: row ``r`` of the batch of step ``s`` is example ``s * B + r`` of the
+shuffled, repeated, unbatched dataset, so each process reads just the rows the trainer
+asks for (``process_train_batches``) by random access. This, rather than grain's
+``ShardOptions`` (a strided shard of the examples per process, each shuffled on its
+own), keeps the global batch of every step the same for any number of processes: losses
+match a one-process run and a run can resume on a different number of hosts.
 """
 
 from __future__ import annotations
@@ -131,10 +138,10 @@ def _add_weights(batch: Batch) -> Batch:
     return out
 
 
-def train_dataset(
+def train_examples(
     source: Any, task: str, batch_size: int, max_length: int, seed: int
 ) -> grain.MapDataset:
-    """Endless shuffled training batches as a random-access dataset (index = step)."""
+    """Endless shuffled, padded training examples (random access; unbatched)."""
     spec = lra_tasks.get_task(task)
     if len(source) < batch_size:
         raise ValueError(
@@ -142,8 +149,28 @@ def train_dataset(
             f"train.batch_size={batch_size}"
         )
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
-    ds = ds.map(input_pipeline.PadAndMask(max_length=max_length, dual_input=spec.dual_input))
+    return ds.map(input_pipeline.PadAndMask(max_length=max_length, dual_input=spec.dual_input))
+
+
+def train_dataset(
+    source: Any, task: str, batch_size: int, max_length: int, seed: int
+) -> grain.MapDataset:
+    """Endless shuffled training batches as a random-access dataset (index = step)."""
+    ds = train_examples(source, task, batch_size, max_length, seed)
     return ds.batch(batch_size, drop_remainder=True).map(_add_weights)
+
+
+def train_rows(examples: grain.MapDataset, batch_size: int, step: int, rows: Any) -> Batch:
+    """Rows ``rows`` (int [n], indices into the global batch) of step ``step``'s batch.
+
+    Equal to ``train_dataset(...)[step]`` restricted to those rows: row ``r`` is example
+    ``step * batch_size + r`` of ``examples`` (``train_examples``).
+    """
+    rows = np.asarray(rows, np.int64)
+    if rows.ndim != 1 or rows.size == 0 or rows.min() < 0 or rows.max() >= batch_size:
+        raise ValueError(f"rows must be indices in [0, train.batch_size={batch_size}), got {rows}")
+    items = [examples[step * batch_size + int(r)] for r in rows]
+    return _add_weights({k: np.stack([item[k] for item in items]) for k in items[0]})
 
 
 def eval_batches(
@@ -192,12 +219,19 @@ def build_lra_task(task: str, config: Any) -> TrainerTask:
     batch_size = int(config.train.batch_size)
     eval_size = int(config.task.get("eval_batch_size", 0)) or batch_size
     max_eval = int(config.task.get("max_eval_batches", 0))
-    train_ds = train_dataset(sources["train"], task, batch_size, length, int(config.seed))
+    examples = train_examples(sources["train"], task, batch_size, length, int(config.seed))
+    train_ds = examples.batch(batch_size, drop_remainder=True).map(_add_weights)
 
     def train_batches(start_step: int) -> Iterator[Batch]:
         step = start_step
         while True:
             yield train_ds[step]
+            step += 1
+
+    def process_train_batches(start_step: int, rows: np.ndarray) -> Iterator[Batch]:
+        step = start_step
+        while True:
+            yield train_rows(examples, batch_size, step, rows)
             step += 1
 
     def split_batches(split: str):
@@ -214,6 +248,7 @@ def build_lra_task(task: str, config: Any) -> TrainerTask:
         train_batches=train_batches,
         eval_batches=split_batches("validation"),
         test_batches=split_batches("test"),
+        process_train_batches=process_train_batches,
         loss_fn=classification_loss,
         model_inputs=dual_encoder_model_inputs if spec.dual_input else default_model_inputs,
     )

@@ -7,6 +7,12 @@
 Writes metrics.jsonl, metrics.csv (step, loss, accuracy, density), metrics.png,
 config.json and summary.json into the output directory (default
 runs/<config.name>-<timestamp>) and prints a one-line summary.
+
+Exit status (configs with a ``checkpoint`` section, i.e. the full trainer): 0 when the
+run finished, or when SIGTERM / SIGINT stopped it after saving the latest checkpoint
+(the printed line says "stopped at step N (SIGTERM)"; the same command resumes it);
+3 when a non-finite loss or gradient halted it (the message names the step and the
+saved state, batch and info for ``replay_nonfinite``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ import lra.train_task  # noqa: E402, F401  (registers lra_listops, lra_text, ...
 import sbm_jax.tasks as tasks  # noqa: E402  (registers the built-in "synthetic" task)
 from sbm_jax.training import format_summary, run_training  # noqa: E402
 from sbm_jax.training.distributed import maybe_initialize_distributed  # noqa: E402
-from sbm_jax.training.trainer import format_run_summary, train_and_evaluate  # noqa: E402
+from sbm_jax.training.trainer import (  # noqa: E402
+    NonFiniteError,
+    format_run_summary,
+    train_and_evaluate,
+)
+
+NONFINITE_EXIT_CODE = 3
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (path.py:preset).", lock_config=True
@@ -67,7 +79,11 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--config is required, e.g. --config=configs/synthetic.py:quick")
     # No-op for one process; automatic on multi-host TPU slices and Slurm.
     maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    run(_CONFIG.value, _OUTPUT_DIR.value)
+    try:
+        run(_CONFIG.value, _OUTPUT_DIR.value)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(NONFINITE_EXIT_CODE)
 
 
 if __name__ == "__main__":

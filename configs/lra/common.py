@@ -189,6 +189,7 @@ def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
     config.train.eps = 1e-6  # Adam epsilon (reference: 1e-6)
     config.train.grad_clip_norm = 0.0  # global-norm clipping (0: off, as the reference)
     config.train.density_lambda = lam  # weight of the mean-density regulariser (paper Table 2)
+    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
     config.train.log_every = 50  # steps between host syncs (every step is still recorded)
     config.train.eval_every = ref.eval_every  # steps between dev evaluations (reference code)
 

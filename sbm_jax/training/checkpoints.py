@@ -3,8 +3,13 @@
 Layout under ``<output_dir>/checkpoints``: ``latest/<step>/`` (kept: ``max_to_keep``)
 and ``best/<step>/`` (kept: 1). Each holds the train state's pytree (``step``,
 ``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the caller's bookkeeping:
-best dev metric so far, etc.). Restoring takes a target state (a fresh one from the
-same config) so optax's state types and the arrays' shardings come back as they were.
+best dev metric so far, the data position ``data_index``, etc.). Restoring takes a
+target state (a fresh one from the same config) so optax's state types and the arrays'
+shardings come back as they were.
+
+``save_snapshot`` / ``restore_snapshot`` keep one state in a directory of its own (the
+trainer's non-finite dumps). In a multi-process job every process calls every save and
+restore (orbax coordinates them; each process writes its own shards).
 """
 
 from __future__ import annotations
@@ -52,6 +57,83 @@ def abstract_tree(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def _save_to(
+    manager: ocp.CheckpointManager, state: TrainState, meta: dict[str, Any], step: int | None = None
+) -> None:
+    """Save ``state`` and ``meta`` under ``step`` (default ``state.step``); no-op if present."""
+    step = int(state.step) if step is None else int(step)
+    if step in manager.all_steps():
+        return
+    with _quiet():
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        manager.wait_until_finished()
+
+
+def _restore_from(
+    manager: ocp.CheckpointManager, target: TrainState, step: int | None
+) -> tuple[TrainState, dict[str, Any]] | None:
+    """(state, meta) saved under ``step`` (default the newest), or None when there is none."""
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        return None
+    with _quiet():
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_tree(_tree(target))),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+    tree = restored["state"]
+    state = target.replace(
+        step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], rng=tree["rng"]
+    )
+    return state, dict(restored["meta"] or {})
+
+
+def save_snapshot(directory: str, state: TrainState, meta: dict[str, Any]) -> str:
+    """Save one state (and its JSON ``meta``) as ``<directory>/<state.step>/``.
+
+    Returns the checkpoint's directory. Every process of a multi-process job calls it.
+    """
+    with _quiet():
+        manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=True)
+        )
+    try:
+        _save_to(manager, state, meta)
+    finally:
+        with _quiet():
+            manager.close()
+    return os.path.join(os.path.abspath(directory), str(int(state.step)))
+
+
+def restore_snapshot(directory: str, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """(state, meta) of the newest checkpoint under ``directory`` (``save_snapshot``).
+
+    Raises:
+      FileNotFoundError: naming ``directory`` when it holds no checkpoint.
+    """
+    path = os.path.abspath(directory)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    with _quiet():
+        manager = ocp.CheckpointManager(path)
+    try:
+        restored = _restore_from(manager, target, None)
+    finally:
+        with _quiet():
+            manager.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint under {path}")
+    return restored
+
+
 class RunCheckpoints:
     """The latest and best-dev checkpoints of one run.
 
@@ -79,17 +161,7 @@ class RunCheckpoints:
 
     @staticmethod
     def _save(manager: ocp.CheckpointManager, state: TrainState, meta: dict[str, Any]) -> None:
-        step = int(state.step)
-        if step in manager.all_steps():
-            return
-        with _quiet():
-            manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta)
-                ),
-            )
-            manager.wait_until_finished()
+        _save_to(manager, state, meta)
 
     def save_latest(self, state: TrainState, meta: dict[str, Any]) -> None:
         """Save ``state`` as a latest checkpoint at ``state.step`` (no-op if present)."""
@@ -103,22 +175,7 @@ class RunCheckpoints:
     def _restore(
         manager: ocp.CheckpointManager, target: TrainState, step: int | None
     ) -> tuple[TrainState, dict[str, Any]] | None:
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            return None
-        with _quiet():
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_tree(_tree(target))),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
-        tree = restored["state"]
-        state = target.replace(
-            step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], rng=tree["rng"]
-        )
-        return state, dict(restored["meta"] or {})
+        return _restore_from(manager, target, step)
 
     def latest_step(self) -> int | None:
         """Step of the newest latest checkpoint, or None."""

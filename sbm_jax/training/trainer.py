@@ -9,20 +9,49 @@ can reuse it as is.
 
 Config fields read beyond those of ``run_training``:
 ``train.max_per_device_batch`` (gradient accumulation), ``train.eval_every``,
+``train.halt_on_nonfinite`` (default True: see "Non-finite steps" below),
 ``checkpoint.{every_steps, max_to_keep, best_metric, best_mode}``, ``mesh.data``.
 
 Files written into the output directory: ``config.json``, ``metrics.jsonl`` (one record
 per train step, plus ``split`` "dev" / "test" records), ``metrics.csv``,
 ``checkpoints/{latest,best}/<step>/`` and ``summary.json``. Running again with the same
 output directory resumes from the latest checkpoint (or, if the run is complete, only
-redoes the test evaluation and the summary). TensorBoard event files are not written:
-neither tensorboardX nor CLU is a dependency of this project; ``metrics.jsonl`` holds the
-same scalars (``scripts/plot_metrics.py`` plots them).
+redoes the test evaluation and the summary). Metrics also go to TensorBoard event
+files in ``<output_dir>/tensorboard/`` (tags ``train/loss``, ``dev/accuracy``,
+``test/accuracy``, ...; a resumed run adds a new event file), viewable with
+``tensorboard --logdir runs/``; ``scripts/plot_metrics.py`` plots ``metrics.jsonl``.
 
 Batch layout: a global batch of ``B`` rows is split into ``A`` micro-batches of ``B / A``
 rows (rows ``i*B/A .. (i+1)*B/A - 1`` form micro-batch ``i``); each micro-batch is split
 over the mesh's ``data`` axis. ``A`` is the smallest count that keeps every device at or
 under ``train.max_per_device_batch`` examples per pass.
+
+Resume and preemption: the training order is random access by step (``train_batches(s)``
+starts at the batch of step ``s``), so the checkpointed step *is* the data iterator's
+state; every checkpoint's meta records it as ``data_index`` (and ``batch_size``), and a
+resume checks both. While ``train_and_evaluate`` runs (in the main thread) SIGTERM and
+SIGINT finish the current step, save the latest checkpoint, flush the metrics and return
+``{"stopped_at": step, "output_dir": ..., "reason": "SIGTERM"}``; a second signal acts
+as it would have without the trainer. With several processes the signal is acted on at
+the next ``train.log_every`` boundary, by all processes together.
+
+Non-finite steps (``train.halt_on_nonfinite``, default True): the jitted step checks the
+loss and the global gradient norm and keeps a device-side sticky ``halted`` flag; from
+the first bad step on, updates are skipped (the state stays the one *before* that step),
+with no host sync per step. At the next metrics flush the trainer finds the first bad
+step ``s`` and writes ``nonfinite/step_<s>/``: ``state/<s-1>/`` (orbax), ``batch.npz``
+(the step's batch; one ``batch_process<k>.npz`` per process in multi-process jobs) and
+``info.json`` (step, data_index, loss, grad norm, rng, how to replay), then raises
+``NonFiniteError``. ``replay_nonfinite(directory, config, task)`` recomputes that step.
+
+Multi-process (``jax.process_count() > 1``): each process feeds only the rows of every
+global batch that land on its devices (``process_train_rows``): the task's
+``process_train_batches(start, rows)`` reads just those (LRA does), otherwise they are cut
+from ``train_batches``. The global arrays are assembled with
+``jax.make_array_from_process_local_data``; the global batch, and so every loss, is the
+same as in one process. Only process 0 writes ``config.json``, the metrics files,
+``summary.json`` and the progress bar; every process takes part in the orbax saves and
+restores.
 """
 
 from __future__ import annotations
@@ -32,8 +61,10 @@ import functools
 import json
 import math
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any, TextIO
 
@@ -47,15 +78,15 @@ from jax.sharding import PartitionSpec as P
 
 from sbm_jax.attention import STATS_COLLECTION
 from sbm_jax.models import build_model
-from sbm_jax.training.checkpoints import RunCheckpoints
+from sbm_jax.training.checkpoints import RunCheckpoints, restore_snapshot, save_snapshot
 from sbm_jax.training.config_checks import ConfigError, prepare_output_dir, validate_config
 from sbm_jax.training.metrics import MetricsWriter, ProgressBar, to_python
 from sbm_jax.training.state import TrainState, create_train_state, learning_rate_schedule
 from sbm_jax.training.steps import (
+    data_sharding,
     loss_and_grads,
     make_mesh,
     replicated,
-    shard_batch,
     step_rngs,
 )
 from sbm_jax.training.task import Batch, Task
@@ -69,11 +100,31 @@ class TrainerTask(Task):
 
     Attributes:
       test_batches: ``() -> iterable`` of test batches (None: evaluate dev at the end).
+      process_train_batches: ``(start_step, rows) -> iterator`` of the rows ``rows``
+        (global row indices, int [n]) of each training batch from ``start_step`` on, in
+        the order given: what one process of a multi-process job reads. None: the rows
+        are cut from ``train_batches`` (every process then reads whole batches).
     Batches may carry ``example_mask`` bool [batch] (False for filler rows); the
     density statistics of evaluations skip those rows.
     """
 
     test_batches: Callable[[], Iterable[Batch]] | None = None
+    process_train_batches: Callable[[int, np.ndarray], Iterator[Batch]] | None = None
+
+
+class NonFiniteError(RuntimeError):
+    """A training step gave a non-finite loss or gradient norm.
+
+    Attributes:
+      step: the first bad step (as numbered in ``metrics.jsonl``: the update that would
+        have taken ``state.step`` from ``step - 1`` to ``step``).
+      directory: where its state, batch and info were saved (``replay_nonfinite``).
+    """
+
+    def __init__(self, message: str, step: int, directory: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.directory = directory
 
 
 def accumulation_steps(batch_size: int, num_devices: int, max_per_device: int) -> int:
@@ -140,7 +191,8 @@ def make_accumulating_train_step(
     density_lambda: float,
     accum_steps: int,
     schedule: optax.Schedule | None = None,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
+    guard_nonfinite: bool = False,
+) -> Callable[..., Any]:
     """``(state, batch [A, micro, ...]) -> (state, metrics)``, jitted; state donated.
 
     Each micro-batch ``i`` gives ``grad_i`` of (task loss + ``density_lambda`` x mean
@@ -149,6 +201,13 @@ def make_accumulating_train_step(
     this is exactly the gradient of the whole batch's loss; the density term gets the
     same weights, i.e. the plain mean when micro-batches weigh the same. With ``A = 1``
     this is the shared loop's ``make_train_step`` (same rng streams).
+
+    With ``guard_nonfinite`` the step is ``(state, batch, halted) -> (state, metrics,
+    halted)``: ``halted`` is a replicated bool scalar; the step is ``ok`` when every
+    micro-batch's objective and the gradient norm are finite (``metrics["finite"]``);
+    the update (step counter included) applies only when ``ok and not halted``, and the
+    returned ``halted`` is ``halted or not ok``. So after a bad step the state stays the
+    one before it, with no host sync.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps} must be >= 1")
@@ -173,16 +232,98 @@ def make_accumulating_train_step(
         new_state = state.apply_gradients(grads=grads)
         out = _weighted_mean_metrics(stacked)
         out["grad_norm"] = optax.tree.norm(grads)
+        out["finite"] = (
+            jnp.all(jnp.isfinite(stacked["total_loss"]))
+            & jnp.all(jnp.isfinite(stacked["loss"]))
+            & jnp.isfinite(out["grad_norm"])
+        )
         if schedule is not None:
             out["learning_rate"] = schedule(state.step)
         return new_state, out
 
+    if not guard_nonfinite:
+        return jax.jit(
+            step,
+            in_shardings=(replicated(mesh), micro_batch_sharding(mesh)),
+            out_shardings=(replicated(mesh), replicated(mesh)),
+            donate_argnums=0,
+        )
+
+    def guarded(
+        state: TrainState, batch: Batch, halted: Array
+    ) -> tuple[TrainState, dict[str, Any], Array]:
+        new_state, out = step(state, batch)
+        apply = out["finite"] & ~halted
+        kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+        return kept, out, halted | ~out["finite"]
+
     return jax.jit(
-        step,
-        in_shardings=(replicated(mesh), micro_batch_sharding(mesh)),
-        out_shardings=(replicated(mesh), replicated(mesh)),
+        guarded,
+        in_shardings=(replicated(mesh), micro_batch_sharding(mesh), replicated(mesh)),
+        out_shardings=(replicated(mesh), replicated(mesh), replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def process_train_rows(batch_size: int, accum: int, mesh: Mesh) -> np.ndarray:
+    """Rows of a global batch that this process feeds, in its local batch's order.
+
+    The global batch [B] becomes [A, B / A] (``split_micro_batches``) sharded as
+    ``micro_batch_sharding``; this process's devices hold columns ``c0..c1`` of every
+    micro-batch, i.e. global rows ``i * B / A + c`` for ``i < A``, ``c0 <= c < c1``, listed
+    micro-batch by micro-batch (so the local rows reshape to [A, c1 - c0]). One process:
+    ``arange(B)``.
+
+    Raises:
+      ConfigError naming train.batch_size when the rows do not split over the devices.
+    """
+    if batch_size % accum:
+        raise ConfigError(f"train.batch_size={batch_size} is not a multiple of {accum} passes")
+    micro = batch_size // accum
+    if micro % mesh.devices.size:
+        raise ConfigError(
+            f"train.batch_size={batch_size} / {accum} passes is not a multiple of the "
+            f"{mesh.devices.size} devices"
+        )
+    indices = micro_batch_sharding(mesh).addressable_devices_indices_map((accum, micro))
+    cols: set[int] = set()
+    for index in indices.values():
+        cols.update(range(*index[1].indices(micro)))
+    ordered = sorted(cols)
+    if ordered != list(range(ordered[0], ordered[-1] + 1)):
+        raise ValueError(f"this process's devices hold non-contiguous batch rows {ordered}")
+    return np.asarray([i * micro + c for i in range(accum) for c in ordered], np.int64)
+
+
+def _put_global(tree: Any, sharding: NamedSharding) -> Any:
+    """Host values (the same in every process) -> global arrays with ``sharding``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def one(x: Any) -> Array:
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+    return jax.tree.map(one, tree)
+
+
+def _put_micro_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, Array]:
+    """This process's rows [A, micro_local, ...] -> global [A, micro, ...] arrays."""
+    sharding = micro_batch_sharding(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(local, sharding)
+    per_process = {v.shape[1] for v in local.values()}
+    if len(per_process) != 1:
+        raise ValueError(f"batch entries disagree on their rows: {sorted(per_process)}")
+    micro = mesh.devices.size * per_process.pop() // len(mesh.local_devices)
+    return {
+        key: jax.make_array_from_process_local_data(
+            sharding, value, (value.shape[0], micro, *value.shape[2:])
+        )
+        for key, value in local.items()
+    }
 
 
 def _per_example_density(mutables: Mapping[str, Any]) -> dict[str, Array]:
@@ -264,7 +405,8 @@ def evaluate_split(
     """
     totals: dict[str, Any] | None = None
     for i, batch in enumerate(batches):
-        out = jax.device_get(eval_step(state, shard_batch(batch, mesh), jax.random.fold_in(rng, i)))
+        sharded = _put_global(dict(batch), data_sharding(mesh))
+        out = jax.device_get(eval_step(state, sharded, jax.random.fold_in(rng, i)))
         totals = out if totals is None else jax.tree.map(np.add, totals, out)
     if totals is None:
         return {}
@@ -305,6 +447,7 @@ def _compiled_steps(
     density_lambda: float,
     accum: int,
     schedule_args: tuple[float, int, int, float],
+    guard_nonfinite: bool = False,
 ) -> tuple[Any, Any]:
     """Jitted steps, reused when the same task object trains again (a resumed run in the
     same process does not recompile)."""
@@ -314,7 +457,9 @@ def _compiled_steps(
             learning_rate=lr, warmup_steps=warmup, num_steps=steps, end_learning_rate_factor=end
         )
     )
-    train_step = make_accumulating_train_step(task, mesh, density_lambda, accum, schedule)
+    train_step = make_accumulating_train_step(
+        task, mesh, density_lambda, accum, schedule, guard_nonfinite
+    )
     return train_step, make_detailed_eval_step(task, mesh)
 
 
@@ -327,6 +472,201 @@ def _better(value: float, best: float | None, mode: str) -> bool:
 def _scalars(record: Mapping[str, Any]) -> dict[str, Any]:
     """Drop the nested per-head entries (they go to the summary, not every log line)."""
     return {k: v for k, v in record.items() if not isinstance(v, Mapping) and k != "weight"}
+
+
+class _NullWriter:
+    """Metrics sink of the non-primary processes."""
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        del record
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _NullProgress:
+    """Progress bar of the non-primary processes."""
+
+    def update(self, step: int, metrics: Mapping[str, Any], force: bool = False) -> None:
+        del step, metrics, force
+
+    def close(self) -> None:
+        pass
+
+
+class StopSignals:
+    """Context manager: SIGTERM and SIGINT set ``received`` (the signal's name) instead of
+    ending the process, so the loop can checkpoint and return.
+
+    Only installed in the main thread (elsewhere ``signal.signal`` is not allowed), and
+    not for a signal whose current handler is ``SIG_IGN``. A second signal of a kind
+    restores the previous handler and delivers the signal to it. The previous handlers
+    come back on exit.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.SIGNALS:
+            signum = getattr(signal, name)
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:
+                continue
+            self._previous[signum] = previous
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            return
+        previous = self._previous.pop(signum, signal.SIG_DFL)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+def _any_process(flag: bool) -> bool:
+    """True when ``flag`` is set in any process (a collective: all must call it)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
+
+
+def _json_float(value: Any) -> float | str | None:
+    """A float for JSON: finite as is, non-finite as "nan" / "inf" / "-inf"."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def _batch_file(process_index: int, process_count: int) -> str:
+    return "batch.npz" if process_count == 1 else f"batch_process{process_index}.npz"
+
+
+def _dump_nonfinite(
+    output_dir: str,
+    record: Mapping[str, Any],
+    state: TrainState,
+    host_batch: Mapping[str, Any],
+    rows: np.ndarray,
+    accum: int,
+    batch_size: int,
+) -> NonFiniteError:
+    """Save the state before bad step ``record["step"]``, its batch and info; the error."""
+    step = int(record["step"])
+    directory = os.path.abspath(os.path.join(output_dir, "nonfinite", f"step_{step}"))
+    os.makedirs(directory, exist_ok=True)
+    state_dir = save_snapshot(
+        os.path.join(directory, "state"), state, {"data_index": step - 1, "step": step}
+    )
+    batch_file = _batch_file(jax.process_index(), jax.process_count())
+    np.savez(
+        os.path.join(directory, batch_file),
+        **{k: np.asarray(v) for k, v in host_batch.items()},
+        __rows__=rows,
+    )
+    info = {
+        "step": step,
+        "state_step": step - 1,
+        "data_index": step - 1,
+        "loss": _json_float(record.get("loss")),
+        "total_loss": _json_float(record.get("total_loss")),
+        "grad_norm": _json_float(record.get("grad_norm")),
+        "accumulation_steps": accum,
+        "batch_size": batch_size,
+        "process_count": jax.process_count(),
+        "rng": np.asarray(jax.random.key_data(state.rng)).tolist(),
+        "step_rngs": "dropout, sample = split(fold_in(rng, state_step)); with several "
+        "micro-batches, micro-batch i uses fold_in(rng, i) as its base",
+        "files": {
+            "state": state_dir,
+            "batch": [_batch_file(i, jax.process_count()) for i in range(jax.process_count())],
+        },
+        "replay": "from sbm_jax.training.trainer import replay_nonfinite; "
+        f"replay_nonfinite({directory!r}, config, task)",
+    }
+    if jax.process_index() == 0:
+        with open(os.path.join(directory, "info.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2, sort_keys=True)
+    message = (
+        f"non-finite loss or gradient at step {step} (loss={info['loss']}, "
+        f"grad_norm={info['grad_norm']}); training stopped with the state before that step. "
+        f"Saved for replay in {directory}: state/{step - 1}/ (orbax), "
+        f"{batch_file} (the step's batch, data_index {step - 1}), info.json. Replay with "
+        f"replay_nonfinite({directory!r}, config, task); set train.halt_on_nonfinite=False "
+        "to train through such steps."
+    )
+    return NonFiniteError(message, step, directory)
+
+
+def replay_nonfinite(directory: str, config: Any, task: Task) -> dict[str, Any]:
+    """Recompute a step saved by a ``NonFiniteError`` (``nonfinite/step_<s>/``).
+
+    Restores the state from before step ``s``, loads its batch (all processes' rows, put
+    back in global order) and runs the same (unguarded) accumulating step, with the same
+    rng and micro-batches, on one device.
+
+    Args:
+      directory: the dump's directory (``NonFiniteError.directory``).
+      config: the run's config (model and train sections as when it failed).
+      task: the run's task (its loss and model inputs).
+
+    Returns:
+      ``{"step", "data_index", "state_step", "loss", "total_loss", "grad_norm",
+      "finite"}`` of the replayed step (floats may be nan/inf).
+    """
+    with open(os.path.join(directory, "info.json"), encoding="utf-8") as f:
+        info = json.load(f)
+    parts = []
+    for name in info["files"]["batch"]:
+        with np.load(os.path.join(directory, name)) as data:
+            parts.append({k: data[k] for k in data.files})
+    rows = np.concatenate([p.pop("__rows__") for p in parts])
+    order = np.argsort(rows)
+    batch = {k: np.concatenate([p[k] for p in parts])[order] for k in parts[0]}
+    if not np.array_equal(rows[order], np.arange(int(info["batch_size"]))):
+        raise ValueError(f"{directory}: the saved batch files do not hold every row once")
+    mesh = make_mesh(1)
+    model = build_model(config.model, task.head)
+    fresh = jax.device_put(create_train_state(config, model, task, batch), replicated(mesh))
+    state, _ = restore_snapshot(os.path.join(directory, "state"), fresh)
+    accum = int(info["accumulation_steps"])
+    step_fn = make_accumulating_train_step(
+        task, mesh, float(config.train.density_lambda), accum, None
+    )
+    _, metrics = step_fn(
+        state, jax.device_put(split_micro_batches(batch, accum), micro_batch_sharding(mesh))
+    )
+    metrics = jax.device_get(metrics)
+    return {
+        "step": int(info["step"]),
+        "data_index": int(info["data_index"]),
+        "state_step": int(info["state_step"]),
+        "loss": float(metrics["loss"]),
+        "total_loss": float(metrics["total_loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        "finite": bool(metrics["finite"]),
+    }
 
 
 def train_and_evaluate(
@@ -349,8 +689,14 @@ def train_and_evaluate(
         ``train.num_steps``.
 
     Returns:
-      The summary (also written to summary.json), or, with ``stop_after`` below
-      ``num_steps``, ``{"stopped_at": step, "output_dir": ...}``.
+      The summary (also written to summary.json), or, when stopped early,
+      ``{"stopped_at": step, "output_dir": ..., "reason": ...}`` with reason
+      ``"stop_after"``, ``"SIGTERM"`` or ``"SIGINT"`` (the latest checkpoint holds
+      ``step``; running again resumes).
+
+    Raises:
+      NonFiniteError: a non-finite loss or gradient (``train.halt_on_nonfinite``).
+      ConfigError: a bad config field, or a checkpoint that does not fit the config.
     """
     validate_config(config, head=task.head)
     train_cfg = config.train
@@ -362,6 +708,9 @@ def train_and_evaluate(
     every = int(ckpt_cfg.get("every_steps", 1000))
     if every < 1:
         raise ConfigError(f"checkpoint.every_steps={every} must be >= 1")
+    halt_on_nonfinite = train_cfg.get("halt_on_nonfinite", True)
+    if not isinstance(halt_on_nonfinite, bool):
+        raise ConfigError(f"train.halt_on_nonfinite={halt_on_nonfinite!r} must be True or False")
     mesh = mesh_from_config(config)
     num_devices = mesh.devices.size
     batch_size = int(train_cfg.batch_size)
@@ -371,16 +720,33 @@ def train_and_evaluate(
     num_steps = int(train_cfg.num_steps)
     until = num_steps if stop_after is None else min(int(stop_after), num_steps)
     eval_every = int(train_cfg.get("eval_every", 0))
+    primary = jax.process_index() == 0
+    multi_process = jax.process_count() > 1
 
     output_dir = prepare_output_dir(
         output_dir or str(config.get("output_dir") or "") or os.path.join("runs", config.name)
     )
-    with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    if primary:
+        with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+    # This process's rows of every global batch (all rows with one process).
+    rows = process_train_rows(batch_size, accum, mesh)
+    if not multi_process:
+        train_source = task.train_batches
+    elif task.process_train_batches is not None:
+
+        def train_source(start: int) -> Iterator[Batch]:
+            return task.process_train_batches(start, rows)
+    else:
+
+        def train_source(start: int) -> Iterator[Batch]:
+            for batch in task.train_batches(start):
+                yield {k: np.asarray(v)[rows] for k, v in batch.items()}
 
     model = build_model(config.model, task.head)
-    first = next(task.train_batches(0))
-    fresh = jax.device_put(create_train_state(config, model, task, first), replicated(mesh))
+    first = next(train_source(0))
+    fresh = _put_global(create_train_state(config, model, task, first), replicated(mesh))
     checkpoints = RunCheckpoints(
         os.path.join(output_dir, "checkpoints"), int(ckpt_cfg.get("max_to_keep", 2))
     )
@@ -390,8 +756,20 @@ def train_and_evaluate(
     state = fresh
     if restored is not None:
         state, meta = restored
-        state = jax.device_put(state, replicated(mesh))
+        state = _put_global(state, replicated(mesh))
         resumed_from = int(state.step)
+        saved_index, saved_batch = meta.get("data_index"), meta.get("batch_size")
+        if saved_index is not None and int(saved_index) != resumed_from:
+            raise ConfigError(
+                f"the checkpoint of step {resumed_from} in {checkpoints.directory} records "
+                f"data_index={saved_index}; the data position and the state disagree"
+            )
+        if saved_batch is not None and int(saved_batch) != batch_size:
+            raise ConfigError(
+                f"train.batch_size={batch_size} differs from the checkpoint's "
+                f"{saved_batch} ({checkpoints.directory}): resuming would change the data "
+                "order; use the original batch size or a new output_dir"
+            )
     start = int(state.step)
 
     train_step, eval_step = _compiled_steps(
@@ -405,35 +783,55 @@ def train_and_evaluate(
             num_steps,
             float(train_cfg.end_learning_rate_factor),
         ),
+        halt_on_nonfinite,
     )
     eval_rng = jax.random.PRNGKey(int(config.seed) + 1)
-    writer = MetricsWriter(output_dir)
-    progress = ProgressBar(num_steps, stream=progress_stream)
+    writer: Any = MetricsWriter(output_dir) if primary else _NullWriter()
+    progress: Any = ProgressBar(num_steps, stream=progress_stream) if primary else _NullProgress()
     log_every = int(train_cfg.log_every)
     t0 = time.perf_counter()
     wall_before = float(meta.get("wall_time_s") or 0.0)
     pending: list[tuple[int, Any]] = []
     first_done: tuple[int, float] | None = None
     last_train: dict[str, Any] = {}
+    halted = _put_global(np.asarray(False), replicated(mesh)) if halt_on_nonfinite else None
 
     def meta_now() -> dict[str, Any]:
-        return {**meta, "wall_time_s": wall_before + time.perf_counter() - t0}
+        # The data iterator's state is the step: batch s is train_batches(s)'s first.
+        return {
+            **meta,
+            "wall_time_s": wall_before + time.perf_counter() - t0,
+            "data_index": int(state.step),
+            "batch_size": batch_size,
+        }
 
     def flush() -> None:
         nonlocal first_done, last_train
         if not pending:
             return
-        values = jax.device_get([m for _, m in pending])
+        values, is_halted = jax.device_get(([m for _, m in pending], halted))
+        bad = None
         for (step, _), m in zip(pending, values, strict=True):
             rec = {"step": step, "split": "train", "time_s": time.perf_counter() - t0}
             rec.update(_scalars(to_python(m)))
+            finite = rec.pop("finite", True)
+            if is_halted and not finite:
+                rec["nonfinite"] = True
+                bad = rec
             writer.write(rec)
             last_train = rec
+            if bad is not None:
+                break  # later steps ran on the frozen state: not logged
         writer.flush()
         if first_done is None:
             first_done = (pending[0][0], time.perf_counter())
         progress.update(last_train["step"], last_train, force=last_train["step"] == until)
         pending.clear()
+        if is_halted:
+            if bad is None:  # cannot happen: the flag is set by a step in this flush
+                raise RuntimeError("the halted flag is set but no pending step is non-finite")
+            host_batch = next(train_source(int(bad["step"]) - 1))
+            raise _dump_nonfinite(output_dir, bad, state, host_batch, rows, accum, batch_size)
 
     def run_dev(step: int) -> None:
         if task.eval_batches is None:
@@ -450,31 +848,51 @@ def train_and_evaluate(
             meta["best"], meta["best_step"] = float(result[best_metric]), step
             checkpoints.save_best(state, meta_now())
 
-    batches = task.train_batches(start)
+    batches = train_source(start)
     try:
-        for step in range(start, until):
-            batch = split_micro_batches(next(batches), accum)
-            state, metrics = train_step(state, jax.device_put(batch, micro_batch_sharding(mesh)))
-            done = step + 1
-            pending.append((done, metrics))
-            if first_done is None or done % log_every == 0 or done == until:
-                flush()
-            evaluated = (eval_every and done % eval_every == 0) or done == num_steps
-            if evaluated:
-                flush()
-                run_dev(done)
-            if evaluated or done % every == 0 or done == until:
-                checkpoints.save_latest(state, meta_now())
-        flush()
+        with StopSignals() as signals:
+            for step in range(start, until):
+                batch = _put_micro_batch(split_micro_batches(next(batches), accum), mesh)
+                if halted is None:
+                    state, metrics = train_step(state, batch)
+                else:
+                    state, metrics, halted = train_step(state, batch, halted)
+                done = step + 1
+                pending.append((done, metrics))
+                boundary = done % log_every == 0 or done == until
+                if first_done is None or boundary:
+                    flush()
+                evaluated = (eval_every and done % eval_every == 0) or done == num_steps
+                if evaluated:
+                    flush()
+                    run_dev(done)
+                if evaluated or done % every == 0 or done == until:
+                    flush()  # never checkpoint a state that a bad step froze
+                    checkpoints.save_latest(state, meta_now())
+                # One process checks its flag every step; several agree at log boundaries.
+                stop = (
+                    _any_process(signals.received is not None)
+                    if multi_process and boundary
+                    else (not multi_process and signals.received is not None)
+                )
+                if stop and done < until:
+                    flush()
+                    checkpoints.save_latest(state, meta_now())
+                    return {
+                        "stopped_at": done,
+                        "output_dir": output_dir,
+                        "reason": signals.received or "signal in another process",
+                    }
+            flush()
         loop_end = time.perf_counter()
         if until < num_steps:
-            return {"stopped_at": until, "output_dir": output_dir}
+            return {"stopped_at": until, "output_dir": output_dir, "reason": "stop_after"}
 
         # Test evaluation at the best dev checkpoint (the last state if none).
         best = checkpoints.restore_best(fresh)
         test_state, test_step_no = state, int(state.step)
         if best is not None:
-            test_state = jax.device_put(best[0], replicated(mesh))
+            test_state = _put_global(best[0], replicated(mesh))
             test_step_no = int(test_state.step)
         test_source = task.test_batches or task.eval_batches
         test = (
@@ -515,12 +933,14 @@ def train_and_evaluate(
         "steps_per_s": rate,
         "examples_per_s": rate * batch_size if math.isfinite(rate) else rate,
         "devices": num_devices,
+        "processes": jax.process_count(),
         "accumulation_steps": accum,
         "output_dir": output_dir,
         "config": json.loads(config.to_json_best_effort()),
     }
-    with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(to_python_json(summary), f, indent=2, sort_keys=True)
+    if primary:
+        with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(to_python_json(summary), f, indent=2, sort_keys=True)
     return summary
 
 
@@ -542,7 +962,8 @@ def format_run_summary(summary: Mapping[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
     if "stopped_at" in summary:
-        return f"stopped at step {summary['stopped_at']} -> {summary['output_dir']}"
+        reason = f" ({summary['reason']})" if summary.get("reason") else ""
+        return f"stopped at step {summary['stopped_at']}{reason} -> {summary['output_dir']}"
     return (
         f"{summary['task']} ({summary['attention']}, seed {summary['seed']}): "
         f"test accuracy {num(summary['test_accuracy'])} density "
