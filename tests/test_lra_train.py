@@ -33,6 +33,9 @@ TABLE7 = {
     "steps": (5000, 20000, 30000, 35000, 62400),
     "classes": (10, 2, 2, 10, 2),
 }
+# The reference training schedule (SBM-Transformer repository, code/lra_config.py, the
+# Nystromformer LRA configs): warm-up steps and evaluation frequency, same task order.
+REFERENCE = {"warmup": (1000, 8000, 800, 175, 312), "eval_every": (50, 500, 300, 175, 312)}
 
 
 def test_paper_presets_follow_table7():
@@ -42,6 +45,8 @@ def test_paper_presets_follow_table7():
         assert c.train.batch_size == TABLE7["batch"][i]
         assert c.train.learning_rate == TABLE7["lr"][i]
         assert c.train.num_steps == TABLE7["steps"][i]
+        assert c.train.warmup_steps == REFERENCE["warmup"][i]
+        assert c.train.eval_every == REFERENCE["eval_every"][i]
         assert c.model.num_classes == TABLE7["classes"][i]
         m = c.model
         assert (m.num_layers, m.num_heads, m.emb_dim, m.mlp_dim, m.head_dim) == (2, 2, 64, 128, 32)
