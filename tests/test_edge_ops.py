@@ -138,6 +138,22 @@ def test_straight_through_forward_is_one():
     np.testing.assert_array_equal(g, jnp.array([2.0, 3.0, 4.0]))
 
 
+def test_straight_through_keeps_each_mapped_gradient_its_own():
+    # Under vmap (the layer maps over examples and heads) each row's p must get its own
+    # cotangent, not the sum over rows: the loss is separable, so the answer is w.
+    p = jnp.array([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])
+    w = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+
+    def loss(p):
+        return jnp.sum(jax.vmap(lambda a, b: straight_through(a) * b)(p, w))
+
+    np.testing.assert_array_equal(jax.grad(loss)(p), w)
+    nested = jax.vmap(jax.vmap(lambda a, b: straight_through(a) * b))
+    g = jax.grad(lambda p: jnp.sum(nested(p[None], w[None])))(p)
+    np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(jax.vmap(straight_through)(p), jnp.ones_like(p))
+
+
 def test_edge_attention_under_vmap_and_jit():
     mask, q, k, v, p = _setup(5)
     edges = _edges_from_mask(mask, capacity=N * M)
