@@ -3,10 +3,7 @@ two-process run on localhost (CPU collectives) checked against numpy."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -15,6 +12,7 @@ import numpy as np
 import pytest
 
 from sbm_jax.training import distributed as dist
+from tests.process_testing import free_port, run_and_collect
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,12 +208,6 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers(script: str, nproc: int, devices_per_process: int) -> list[dict]:
     env = dict(os.environ)
     for key in _ENV_KEYS:
@@ -225,30 +217,9 @@ def _run_workers(script: str, nproc: int, devices_per_process: int) -> list[dict
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
         PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, coordinator, str(nproc), str(i)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
-    results = []
-    try:
-        for i, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            assert lines, f"process {i} printed no result:\n{out[-3000:]}"
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
+    coordinator = f"127.0.0.1:{free_port()}"
+    commands = [[sys.executable, script, coordinator, str(nproc), str(i)] for i in range(nproc)]
+    return run_and_collect(commands, env, timeout=120)
 
 
 def test_two_processes_on_localhost_match_one_process_and_numpy(tmp_path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from lra.train_task import MockSource, train_dataset, train_examples, train_rows
 from sbm_jax.training.steps import make_mesh
 from sbm_jax.training.trainer import process_train_rows
+from tests.process_testing import free_port, run_and_collect
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "resilience_task.py")
@@ -41,12 +40,6 @@ def test_one_process_feeds_every_row_in_order():
     np.testing.assert_array_equal(process_train_rows(12, 3, make_mesh(1)), np.arange(12))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(output_dir, nproc: int, devices: int, *flags: str) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -54,31 +47,13 @@ def _run(output_dir, nproc: int, devices: int, *flags: str) -> list[dict]:
         env.pop(key, None)
     extra = []
     if nproc > 1:
-        extra = [f"--coordinator=127.0.0.1:{_free_port()}", f"--num_processes={nproc}"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(output_dir), *flags, *extra]
-            + ([f"--process_id={i}"] if nproc > 1 else []),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        extra = [f"--coordinator=127.0.0.1:{free_port()}", f"--num_processes={nproc}"]
+    commands = [
+        [sys.executable, SCRIPT, str(output_dir), *flags, *extra]
+        + ([f"--process_id={i}"] if nproc > 1 else [])
         for i in range(nproc)
     ]
-    results = []
-    try:
-        for i, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            assert lines, f"process {i} printed no result:\n{out[-4000:]}"
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
+    return run_and_collect(commands, env, timeout=300)
 
 
 def _records(output_dir) -> list[dict]:
