@@ -1,5 +1,6 @@
 """The trainer's step: 8 sharded CPU devices vs one device, accumulation vs one pass,
-and the shared loop's step as the reference."""
+the shared loop's step as the reference, and a ("data", "heads") = (4, 2) mesh with the
+per-head attention parameters split over ``heads``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from sbm_jax.training.config_checks import ConfigError
@@ -24,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from lra.train_task import MockSource, train_dataset
     from sbm_jax.models import build_model
     from sbm_jax.training.state import create_train_state, learning_rate_schedule
+    from sbm_jax.training.sharding import make_data_heads_mesh, state_sharding
     from sbm_jax.training.steps import make_mesh, make_train_step, replicated, shard_batch
     from sbm_jax.training.task import Task
     from sbm_jax.training.trainer import (
@@ -40,9 +43,20 @@ SCRIPT = textwrap.dedent(
         model = build_model(config.model, "classification")
         schedule = learning_rate_schedule(config.train)
 
-        def run(mesh, accum, reference=False):
+        def query_kernel(params):
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+            path = next(p for p in paths if [k.key for k in p[-2:]] == ["query", "kernel"])
+            leaf = params
+            for k in path:
+                leaf = leaf[k.key]
+            return leaf
+
+        def run(mesh, accum, reference=False, layout=None):
             state = create_train_state(config, model, task, batch)
-            state = jax.device_put(state, replicated(mesh))
+            if "heads" in mesh.axis_names:
+                state = jax.device_put(state, state_sharding(state, mesh))
+            else:
+                state = jax.device_put(state, replicated(mesh))
             if reference:
                 step = make_train_step(task, mesh, 0.1, schedule)
                 new, m = step(state, shard_batch(batch, mesh))
@@ -50,13 +64,26 @@ SCRIPT = textwrap.dedent(
                 step = make_accumulating_train_step(task, mesh, 0.1, accum, schedule)
                 b = jax.device_put(split_micro_batches(batch, accum), micro_batch_sharding(mesh))
                 new, m = step(state, b)
+            if layout is not None:  # where the new state's per-head parameters live
+                kernel = query_kernel(new.params)
+                mu = query_kernel(new.opt_state[0].mu)
+                layout.update(
+                    spec=[str(a) for a in kernel.sharding.spec],
+                    mu_spec=[str(a) for a in mu.sharding.spec],
+                    shape=list(kernel.shape),
+                    shard_shapes=sorted({tuple(s.data.shape) for s in kernel.addressable_shards}),
+                    devices=len(kernel.addressable_shards),
+                    count_spec=list(new.opt_state[0].count.sharding.spec),
+                )
             return jax.device_get((new.params, m["loss"], m.get("density", 0.0)))
 
         one = run(make_mesh(1), 1)
         ref = run(make_mesh(1), 1, reference=True)
         eight = run(make_mesh(8), 1)
-        res = {}
-        for name, other in (("eight", eight), ("reference", ref)):
+        layout = {}
+        heads = run(make_data_heads_mesh(4, 2), 1, layout=layout)
+        res = {"layout": layout}
+        for name, other in (("eight", eight), ("reference", ref), ("data4_heads2", heads)):
             res[name] = {
                 "loss": abs(float(one[1]) - float(other[1])),
                 "density": abs(float(one[2]) - float(other[2])),
@@ -66,6 +93,12 @@ SCRIPT = textwrap.dedent(
         if mech == "full":  # no sampling: micro-batches see the same function
             acc = run(make_mesh(8), 2)
             res["accum2_eight"] = {
+                "loss": abs(float(one[1]) - float(acc[1])),
+                "params": max(float(np.max(np.abs(a - b))) for a, b in zip(
+                    jax.tree.leaves(one[0]), jax.tree.leaves(acc[0]))),
+            }
+            acc = run(make_data_heads_mesh(4, 2), 2)
+            res["accum2_data4_heads2"] = {
                 "loss": abs(float(one[1]) - float(acc[1])),
                 "params": max(float(np.max(np.abs(a - b))) for a, b in zip(
                     jax.tree.leaves(one[0]), jax.tree.leaves(acc[0]))),
@@ -92,8 +125,10 @@ def test_accumulation_steps_closed_form():
 
 @pytest.mark.parametrize("mechanism", ["sbm", pytest.param("full", marks=pytest.mark.slow)])
 def test_sharded_step_matches_single_device_and_reference(mechanism):
-    """One step on 8 devices == one step on 1 device == the shared loop's step; for full
-    attention also 2 accumulated micro-batches on 8 devices == one pass."""
+    """One step on 8 devices == one step on a (data 4, heads 2) mesh == one step on 1
+    device == the shared loop's step; for full attention also 2 accumulated micro-batches
+    on 8 devices and on the (4, 2) mesh == one pass. On the (4, 2) mesh the new state's
+    query kernel [dim, H, hd] (and its Adam moment) is split over ``heads`` on axis 1."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -109,11 +144,83 @@ def test_sharded_step_matches_single_device_and_reference(mechanism):
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     result = json.loads(line[len("RESULT") :])
     for mech, res in result.items():
-        for name in ("eight", "reference"):
+        for name in ("eight", "reference", "data4_heads2"):
             assert res[name]["loss"] < 1e-5, (mech, name, res)
             assert res[name]["density"] < 1e-5, (mech, name, res)
             assert res[name]["params"] < 1e-5 * max(res["param_scale"], 1.0), (mech, name, res)
+        layout = res["layout"]
+        dim, num_heads, head_dim = layout["shape"]  # smoke config: [16, 2, 8]
+        assert num_heads == 2, layout
+        assert layout["spec"] == ["None", "heads", "None"], layout
+        assert layout["mu_spec"] == ["None", "heads", "None"], layout
+        assert layout["count_spec"] == [], layout
+        assert layout["devices"] == 8, layout
+        assert layout["shard_shapes"] == [[dim, num_heads // 2, head_dim]], layout
     if mechanism == "full":
-        acc = result["full"]["accum2_eight"]
         scale = max(result["full"]["param_scale"], 1.0)
-        assert acc["loss"] < 1e-5 and acc["params"] < 1e-5 * scale, acc
+        for name in ("accum2_eight", "accum2_data4_heads2"):
+            acc = result["full"][name]
+            assert acc["loss"] < 1e-5 and acc["params"] < 1e-5 * scale, (name, acc)
+
+
+TRAINER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from configs.lra import listops
+    from lra.train_task import build_lra_task
+    from sbm_jax.training.trainer import train_and_evaluate
+
+    assert jax.device_count() == 4, jax.devices()
+    root = sys.argv[1]
+
+    def config(data, heads):
+        c = listops.get_config("sbm,smoke")
+        c.train.num_steps = 4
+        c.train.eval_every = 2
+        c.mesh.data, c.mesh.heads = data, heads
+        return c
+
+    def records(out):
+        with open(out + "/metrics.jsonl", encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    one = root + "/one"
+    c = config(1, 1)
+    train_and_evaluate(c, build_lra_task("listops", c), one)
+    # (data 2, heads 2) to step 2, resumed on (4, 1) to step 3, then on (2, 2) to the end
+    split = root + "/split"
+    for (data, heads), stop in (((2, 2), 2), ((4, 1), 3), ((2, 2), None)):
+        c = config(data, heads)
+        train_and_evaluate(c, build_lra_task("listops", c), split, stop_after=stop)
+    print("RESULT" + json.dumps({"one": records(one), "split": records(split)}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_trainer_with_heads_axis_resumes_across_meshes(tmp_path):
+    """``train_and_evaluate`` on a (data 2, heads 2) mesh, interrupted and resumed on a
+    (4, 1) and again on a (2, 2) mesh (checkpoints restored into each layout), logs the
+    same train, dev and test numbers as an uninterrupted one-device run."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    result = json.loads(line[len("RESULT") :])
+    one, split = result["one"], result["split"]
+    assert [(r["split"], r["step"]) for r in one] == [(r["split"], r["step"]) for r in split]
+    assert [r["step"] for r in split if r["split"] == "train"] == [1, 2, 3, 4]
+    for a, b in zip(one, split, strict=True):
+        for key in ("loss", "accuracy", "density"):
+            if key in a:
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -204,6 +204,8 @@ def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
+    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads;
+    #   per-head attention parameters are sharded over them; mesh.data=-1: all devices / heads)
 
     if scale == "reduced":
         config.train.batch_size = 32

@@ -10,7 +10,14 @@ can reuse it as is.
 Config fields read beyond those of ``run_training``:
 ``train.max_per_device_batch`` (gradient accumulation), ``train.eval_every``,
 ``train.halt_on_nonfinite`` (default True: see "Non-finite steps" below),
-``checkpoint.{every_steps, max_to_keep, best_metric, best_mode}``, ``mesh.data``.
+``checkpoint.{every_steps, max_to_keep, best_metric, best_mode}``, ``mesh.data``,
+``mesh.heads``.
+
+Mesh and sharding: the mesh is ``("data", "heads")`` of shape ``(mesh.data,
+mesh.heads)`` (``mesh_from_config``). Batches are split over ``data``; the train state
+is replicated except the per-head attention parameters (and their Adam moments), which
+are split over ``heads`` (``sbm_jax.training.sharding``), so each device runs the
+attention, and SBM's graph sampling, of its own heads for its own examples.
 
 Files written into the output directory: ``config.json``, ``metrics.jsonl`` (one record
 per train step, plus ``split`` "dev" / "test" records), ``metrics.csv``,
@@ -81,6 +88,13 @@ from sbm_jax.models import build_model
 from sbm_jax.training.checkpoints import RunCheckpoints, restore_snapshot, save_snapshot
 from sbm_jax.training.config_checks import ConfigError, prepare_output_dir, validate_config
 from sbm_jax.training.metrics import MetricsWriter, ProgressBar, to_python
+from sbm_jax.training.sharding import (
+    DATA_AXIS,
+    StateShardedJit,
+    data_axis_size,
+    make_data_heads_mesh,
+    state_sharding,
+)
 from sbm_jax.training.state import TrainState, create_train_state, learning_rate_schedule
 from sbm_jax.training.steps import (
     data_sharding,
@@ -154,8 +168,9 @@ def accumulation_steps(batch_size: int, num_devices: int, max_per_device: int) -
 
 
 def micro_batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[accum, micro, ...]: micro-batch rows split over ``data``."""
-    return NamedSharding(mesh, P(None, "data"))
+    """[accum, micro, ...]: micro-batch rows split over ``data`` (replicated over any
+    other mesh axis)."""
+    return NamedSharding(mesh, P(None, DATA_AXIS))
 
 
 def split_micro_batches(batch: Batch, accum: int) -> dict[str, np.ndarray]:
@@ -208,6 +223,10 @@ def make_accumulating_train_step(
     the update (step counter included) applies only when ``ok and not halted``, and the
     returned ``halted`` is ``halted or not ok``. So after a bad step the state stays the
     one before it, with no host sync.
+
+    The state goes in and out with ``state_sharding(state, mesh)`` (per-head attention
+    parameters split over a ``heads`` axis, the rest replicated); the metrics come out
+    replicated.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps} must be >= 1")
@@ -241,11 +260,13 @@ def make_accumulating_train_step(
             out["learning_rate"] = schedule(state.step)
         return new_state, out
 
+    batches, rep = micro_batch_sharding(mesh), replicated(mesh)
     if not guard_nonfinite:
-        return jax.jit(
+        return StateShardedJit(
             step,
-            in_shardings=(replicated(mesh), micro_batch_sharding(mesh)),
-            out_shardings=(replicated(mesh), replicated(mesh)),
+            mesh,
+            in_shardings=lambda s: (s, batches),
+            out_shardings=lambda s: (s, rep),
             donate_argnums=0,
         )
 
@@ -257,10 +278,11 @@ def make_accumulating_train_step(
         kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
         return kept, out, halted | ~out["finite"]
 
-    return jax.jit(
+    return StateShardedJit(
         guarded,
-        in_shardings=(replicated(mesh), micro_batch_sharding(mesh), replicated(mesh)),
-        out_shardings=(replicated(mesh), replicated(mesh), replicated(mesh)),
+        mesh,
+        in_shardings=lambda s: (s, batches, rep),
+        out_shardings=lambda s: (s, rep, rep),
         donate_argnums=0,
     )
 
@@ -272,7 +294,8 @@ def process_train_rows(batch_size: int, accum: int, mesh: Mesh) -> np.ndarray:
     ``micro_batch_sharding``; this process's devices hold columns ``c0..c1`` of every
     micro-batch, i.e. global rows ``i * B / A + c`` for ``i < A``, ``c0 <= c < c1``, listed
     micro-batch by micro-batch (so the local rows reshape to [A, c1 - c0]). One process:
-    ``arange(B)``.
+    ``arange(B)``. The rows are split over the mesh's ``data`` axis only: devices that
+    differ only in their ``heads`` coordinate hold the same rows.
 
     Raises:
       ConfigError naming train.batch_size when the rows do not split over the devices.
@@ -280,10 +303,11 @@ def process_train_rows(batch_size: int, accum: int, mesh: Mesh) -> np.ndarray:
     if batch_size % accum:
         raise ConfigError(f"train.batch_size={batch_size} is not a multiple of {accum} passes")
     micro = batch_size // accum
-    if micro % mesh.devices.size:
+    data = data_axis_size(mesh)
+    if micro % data:
         raise ConfigError(
             f"train.batch_size={batch_size} / {accum} passes is not a multiple of the "
-            f"{mesh.devices.size} devices"
+            f"{data} devices of the mesh's data axis"
         )
     indices = micro_batch_sharding(mesh).addressable_devices_indices_map((accum, micro))
     cols: set[int] = set()
@@ -295,18 +319,32 @@ def process_train_rows(batch_size: int, accum: int, mesh: Mesh) -> np.ndarray:
     return np.asarray([i * micro + c for i in range(accum) for c in ordered], np.int64)
 
 
-def _put_global(tree: Any, sharding: NamedSharding) -> Any:
-    """Host values (the same in every process) -> global arrays with ``sharding``."""
+def _put_global(tree: Any, sharding: Any) -> Any:
+    """Host values (the same in every process) -> global arrays with ``sharding`` (one
+    ``NamedSharding`` for every leaf, or a pytree of them shaped like ``tree``)."""
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
 
-    def one(x: Any) -> Array:
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+    def one(x: Any, leaf_sharding: NamedSharding) -> Array:
+        if isinstance(x, jax.Array) and x.sharding == leaf_sharding:
             return x
         value = np.asarray(x)
-        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+        return jax.make_array_from_callback(value.shape, leaf_sharding, lambda idx: value[idx])
 
-    return jax.tree.map(one, tree)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, sharding), tree)
+    return jax.tree.map(one, tree, sharding)
+
+
+def _local_data_slices(mesh: Mesh) -> int:
+    """How many positions of the mesh's ``data`` axis this process has a device in."""
+    names = list(mesh.axis_names)
+    devices = mesh.devices
+    if DATA_AXIS in names:
+        devices = np.moveaxis(devices, names.index(DATA_AXIS), 0)
+    rows = devices.reshape(devices.shape[0], -1) if devices.ndim else devices.reshape(1, 1)
+    me = jax.process_index()
+    return sum(any(d.process_index == me for d in row) for row in rows)
 
 
 def _put_micro_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, Array]:
@@ -317,7 +355,7 @@ def _put_micro_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, Arra
     per_process = {v.shape[1] for v in local.values()}
     if len(per_process) != 1:
         raise ValueError(f"batch entries disagree on their rows: {sorted(per_process)}")
-    micro = mesh.devices.size * per_process.pop() // len(mesh.local_devices)
+    micro = data_axis_size(mesh) * per_process.pop() // _local_data_slices(mesh)
     return {
         key: jax.make_array_from_process_local_data(
             sharding, value, (value.shape[0], micro, *value.shape[2:])
@@ -347,7 +385,8 @@ def make_detailed_eval_step(
 
     Returns weighted sums ``loss_sum``, ``correct_sum``, ``weight`` and, per attention
     module, density ``[heads]`` sums ``sum``, ``sumsq`` and ``count`` over the real
-    examples (``example_mask``; all rows when absent).
+    examples (``example_mask``; all rows when absent). The state comes in with
+    ``state_sharding(state, mesh)``, the batch split over ``data``.
     """
 
     def step(state: TrainState, batch: Batch, rng: Array) -> dict[str, Any]:
@@ -381,10 +420,12 @@ def make_detailed_eval_step(
         out["density"] = density
         return out
 
-    return jax.jit(
+    rep = replicated(mesh)
+    return StateShardedJit(
         step,
-        in_shardings=(replicated(mesh), NamedSharding(mesh, P("data")), replicated(mesh)),
-        out_shardings=replicated(mesh),
+        mesh,
+        in_shardings=lambda s: (s, NamedSharding(mesh, P(DATA_AXIS)), rep),
+        out_shardings=lambda s: rep,
     )
 
 
@@ -428,16 +469,59 @@ def evaluate_split(
     return result
 
 
+def _mesh_int(mesh_cfg: Any, name: str, default: int) -> int:
+    value = mesh_cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"mesh.{name}={value!r} must be an integer")
+    return int(value)
+
+
 def mesh_from_config(config: Any) -> Mesh:
-    """1-axis ``data`` mesh over ``config.mesh.data`` devices (-1 or missing: all)."""
+    """Mesh ``("data", "heads")`` of shape ``(mesh.data, mesh.heads)``.
+
+    ``mesh.heads`` (default 1) devices split the attention heads; ``mesh.data`` (default
+    -1: all devices / ``mesh.heads``) split the batch; the mesh takes the first
+    ``data * heads`` devices. With ``heads = 1`` this is the data-parallel layout.
+
+    Raises:
+      ConfigError naming ``mesh.heads``, ``mesh.data`` or ``model.num_heads``: a size
+      below 1, more devices than there are, ``mesh.data=-1`` with a ``mesh.heads`` that
+      does not divide the device count, or a ``mesh.heads`` that does not divide
+      ``model.num_heads``.
+    """
     mesh_cfg = config.get("mesh") or {}
-    n = int(mesh_cfg.get("data", -1))
+    data = _mesh_int(mesh_cfg, "data", -1)
+    heads = _mesh_int(mesh_cfg, "heads", 1)
     available = jax.device_count()
-    if n == -1:
-        n = available
-    if not 1 <= n <= available:
-        raise ConfigError(f"mesh.data={n} must be -1 or between 1 and {available} (devices)")
-    return make_mesh(n)
+    if not 1 <= heads <= available:
+        raise ConfigError(f"mesh.heads={heads} must be between 1 and {available} (devices)")
+    if data == -1:
+        if available % heads:
+            raise ConfigError(
+                f"mesh.heads={heads} does not divide the {available} devices (mesh.data=-1 "
+                "uses all of them); set mesh.data explicitly or change mesh.heads"
+            )
+        data = available // heads
+    if data < 1:
+        raise ConfigError(f"mesh.data={data} must be -1 or >= 1")
+    if data * heads > available:
+        raise ConfigError(
+            f"mesh.data={data} x mesh.heads={heads} = {data * heads} devices, more than the "
+            f"{available} available"
+        )
+    if heads > 1:
+        model = config.get("model") or {}
+        num_heads = model.get("num_heads")
+        if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+            raise ConfigError(
+                f"model.num_heads={num_heads!r} must be an integer when mesh.heads={heads}"
+            )
+        if int(num_heads) % heads:
+            raise ConfigError(
+                f"mesh.heads={heads} must divide model.num_heads={num_heads} (each device "
+                "holds the same number of heads)"
+            )
+    return make_data_heads_mesh(data, heads)
 
 
 @functools.lru_cache(maxsize=8)
@@ -698,7 +782,8 @@ def train_and_evaluate(
       NonFiniteError: a non-finite loss or gradient (``train.halt_on_nonfinite``).
       ConfigError: a bad config field, or a checkpoint that does not fit the config.
     """
-    validate_config(config, head=task.head)
+    mesh = mesh_from_config(config)
+    validate_config(config, head=task.head, device_count=data_axis_size(mesh))
     train_cfg = config.train
     ckpt_cfg = config.get("checkpoint") or {}
     best_metric = str(ckpt_cfg.get("best_metric", "accuracy"))
@@ -711,11 +796,10 @@ def train_and_evaluate(
     halt_on_nonfinite = train_cfg.get("halt_on_nonfinite", True)
     if not isinstance(halt_on_nonfinite, bool):
         raise ConfigError(f"train.halt_on_nonfinite={halt_on_nonfinite!r} must be True or False")
-    mesh = mesh_from_config(config)
     num_devices = mesh.devices.size
     batch_size = int(train_cfg.batch_size)
     accum = accumulation_steps(
-        batch_size, num_devices, int(train_cfg.get("max_per_device_batch", 0))
+        batch_size, data_axis_size(mesh), int(train_cfg.get("max_per_device_batch", 0))
     )
     num_steps = int(train_cfg.num_steps)
     until = num_steps if stop_after is None else min(int(stop_after), num_steps)
@@ -746,7 +830,9 @@ def train_and_evaluate(
 
     model = build_model(config.model, task.head)
     first = next(train_source(0))
-    fresh = _put_global(create_train_state(config, model, task, first), replicated(mesh))
+    fresh = create_train_state(config, model, task, first)
+    shardings = state_sharding(fresh, mesh)  # per-head attention parameters over "heads"
+    fresh = _put_global(fresh, shardings)
     checkpoints = RunCheckpoints(
         os.path.join(output_dir, "checkpoints"), int(ckpt_cfg.get("max_to_keep", 2))
     )
@@ -756,7 +842,7 @@ def train_and_evaluate(
     state = fresh
     if restored is not None:
         state, meta = restored
-        state = _put_global(state, replicated(mesh))
+        state = _put_global(state, shardings)
         resumed_from = int(state.step)
         saved_index, saved_batch = meta.get("data_index"), meta.get("batch_size")
         if saved_index is not None and int(saved_index) != resumed_from:
@@ -892,7 +978,7 @@ def train_and_evaluate(
         best = checkpoints.restore_best(fresh)
         test_state, test_step_no = state, int(state.step)
         if best is not None:
-            test_state = _put_global(best[0], replicated(mesh))
+            test_state = _put_global(best[0], shardings)
             test_step_no = int(test_state.step)
         test_source = task.test_batches or task.eval_batches
         test = (
