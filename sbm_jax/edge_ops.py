@@ -13,6 +13,13 @@ import jax.numpy as jnp
 
 from sbm_jax.graph import EdgeList
 
+#: ``jax.ad_checkpoint.checkpoint_name`` tags that the fast kernels put on the values
+#: their backward pass needs from the forward (output and per-row log-normaliser). A
+#: caller that wraps a kernel in ``jax.checkpoint`` can keep them with
+#: ``jax.checkpoint_policies.save_only_these_names(*EDGE_KERNEL_RESIDUAL_NAMES)`` so
+#: that the attention forward is not run again in the backward pass.
+EDGE_KERNEL_RESIDUAL_NAMES = ("edge_attention_out", "edge_attention_lse")
+
 
 def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     if q.ndim != 2 or k.ndim != 2 or v.ndim != 2:

@@ -4,7 +4,10 @@ The sampler works on a static number of slots (the capacity). It draws a Poisson
 number of (query, key) pairs, chooses each pair's block by inverse CDF over the
 ``k*k`` block weights and its nodes by inverse CDF inside the chosen clusters,
 collapses duplicates by sorting, and returns the edges in the layout of
-:class:`sbm_jax.graph.EdgeList`.
+:class:`sbm_jax.graph.EdgeList`. :func:`sample_edge_keys` returns the sorted edge keys
+alone (what the attention layer keeps for its backward pass);
+:func:`edge_probs_straight_through` gives the layer eq. 9's estimator of ``p_e``
+without computing ``p_e`` (its gradient is two SpMMs with ``k`` columns).
 
 Two edge laws are exact:
 
@@ -199,6 +202,75 @@ def edge_probs(plan: SamplingPlan, rows: jax.Array, cols: jax.Array) -> jax.Arra
     return _chunked(dot, rows, cols)
 
 
+@jax.custom_vjp
+def edge_probs_straight_through(
+    ys: jax.Array, z: jax.Array, rows: jax.Array, cols: jax.Array, valid: jax.Array
+) -> jax.Array:
+    """The straight-through estimator of ``p_e`` on the edges, without computing ``p_e``.
+
+    Args:
+      ys: ``[n, k]`` ``Y S`` (:attr:`SamplingPlan.ys`).
+      z: ``[m, K]`` key memberships, ``K >= k`` (:attr:`SamplingPlan.z`; the columns past
+        ``k``, the exploration cluster, get no gradient).
+      rows, cols, valid: ``[C]`` the edge list (one graph; under ``vmap`` they carry the
+        same batch axes as ``ys`` and ``z``).
+
+    Returns:
+      ``[C]`` float32: 1 on valid slots, 0 on empty ones. Its gradient is that of
+      ``where(valid, p_e, 0)`` with ``p_e = ys[row] . z[col, :k]`` (paper eq. 9: the
+      cotangent of the estimator goes to ``p_e`` unchanged).
+
+    The forward pass never needs ``p_e`` (the estimator is 1), so it costs O(C). The
+    backward pass receives the cotangent ``g`` on the edges (a sparse ``[n, m]`` matrix
+    ``G``) and returns ``dys = G Z[:, :k]`` and ``dz[:, :k] = G^T ys``: two SpMMs with
+    ``k`` columns, streamed in chunks of :data:`EDGE_PROB_CHUNK` slots, instead of the
+    ``[C, k]`` gathered tensors that autodiff of :func:`edge_probs` keeps.
+    """
+    del ys, z, rows, cols
+    return valid.astype(jnp.float32)
+
+
+def _probs_ste_fwd(ys, z, rows, cols, valid):
+    # The output depends on ``valid`` so that under vmap it is batched like the edges: a
+    # constant output would be unbatched and its cotangent summed over the batch.
+    return valid.astype(jnp.float32), (ys, z, rows, cols, valid)
+
+
+def _probs_ste_bwd(res, g):
+    ys, z, rows, cols, valid = res
+    n, k = ys.shape
+    m, kz = z.shape
+    zk = jnp.asarray(z)[:, :k].astype(jnp.float32)
+    ys32 = jnp.asarray(ys, jnp.float32)
+    g = jnp.where(valid, g, 0.0).astype(jnp.float32)
+    size = rows.shape[0]
+    chunk = min(EDGE_PROB_CHUNK, size)
+    pad = -size % chunk
+    # Padding slots point at row 0 / column 0 with a zero cotangent: they add nothing.
+    xs = tuple(jnp.pad(a, (0, pad)).reshape(-1, chunk) for a in (rows, cols, g))
+
+    def step(carry, x):
+        dys, dz = carry
+        r, c, gg = x
+        dys = dys.at[r].add(
+            gg[:, None] * zk.at[c].get(mode="promise_in_bounds"),
+            indices_are_sorted=True,
+            mode="promise_in_bounds",
+        )
+        dz = dz.at[c].add(
+            gg[:, None] * ys32.at[r].get(mode="promise_in_bounds"), mode="promise_in_bounds"
+        )
+        return (dys, dz), None
+
+    init = (jnp.zeros((n, k), jnp.float32), jnp.zeros((m, k), jnp.float32))
+    (dys, dzk), _ = jax.lax.scan(step, init, xs)
+    dz = jnp.pad(dzk, ((0, 0), (0, kz - k)))
+    return dys.astype(ys.dtype), dz.astype(z.dtype), None, None, None
+
+
+edge_probs_straight_through.defvjp(_probs_ste_fwd, _probs_ste_bwd)
+
+
 def _keep_probability(plan: SamplingPlan, p: jax.Array, rows: jax.Array) -> jax.Array:
     r = p + plan.delta
     c = plan.oversample[rows]
@@ -218,19 +290,34 @@ def _compact(keys: jax.Array, keep: jax.Array, capacity: int, sentinel: int) -> 
     return out.at[jnp.where(keep, pos, capacity)].set(keys, mode="drop")
 
 
-def _edge_list(plan: SamplingPlan, keys: jax.Array, num_draws, overflow) -> EdgeList:
-    n, m = plan.y.shape[0], plan.z.shape[0]
+def edges_from_keys(keys: jax.Array, n: int, m: int, probs: jax.Array | None = None) -> EdgeList:
+    """The :class:`EdgeList` of sorted, compacted edge keys ``row * m + col``.
+
+    ``keys``: ``[C] int32`` as :func:`sample_edge_keys` returns them (valid keys first,
+    sorted, unique; the sentinel ``n * m`` in empty slots). O(C) elementwise. ``probs``
+    defaults to zeros (callers that need ``p_e`` pass :func:`edge_probs`).
+    """
     sentinel = n * m
     valid = keys != sentinel
     rows = jnp.where(valid, keys // m, n - 1).astype(jnp.int32)
     cols = jnp.where(valid, keys % m, 0).astype(jnp.int32)
-    probs = jnp.where(valid, edge_probs(plan, rows, cols), 0.0)
+    if probs is None:
+        probs = jnp.zeros(keys.shape, jnp.float32)
     return EdgeList(
         rows=rows,
         cols=cols,
         valid=valid,
         probs=probs,
         num_edges=jnp.sum(valid).astype(jnp.int32),
+    )
+
+
+def _edge_list(plan: SamplingPlan, keys: jax.Array, num_draws, overflow) -> EdgeList:
+    n, m = plan.y.shape[0], plan.z.shape[0]
+    edges = edges_from_keys(keys, n, m)
+    probs = jnp.where(edges.valid, edge_probs(plan, edges.rows, edges.cols), 0.0)
+    return edges.replace(
+        probs=probs,
         num_draws=jnp.asarray(num_draws, jnp.int32),
         overflow=jnp.asarray(overflow, bool),
     )
@@ -244,7 +331,7 @@ def _check_size(n: int, m: int) -> None:
         )
 
 
-def sample_from_plan(
+def sample_edge_keys(
     key: jax.Array,
     plan: SamplingPlan,
     count: jax.Array,
@@ -252,12 +339,12 @@ def sample_from_plan(
     capacity: int,
     law: str = "bernoulli",
     forced_keys: jax.Array | None = None,
-) -> EdgeList:
-    """fastRG with ``count`` draws into ``capacity`` slots (plus ``forced_keys`` edges).
+) -> jax.Array:
+    """fastRG's draw as sorted edge keys: ``[capacity + F] int32``, ``row * m + col``.
 
-    ``forced_keys`` (``[F] int32``, ``row * m + col``, ``n * m`` for none) are edges that
-    are always present (self-loops, local windows); the output then has
-    ``capacity + F`` slots. Draws beyond ``capacity`` are lost and set ``overflow``.
+    Valid keys come first, sorted and unique; empty slots hold the sentinel ``n * m``.
+    No gradient flows through the keys (the draw is discrete); :func:`edges_from_keys`
+    turns them into an :class:`EdgeList`. See :func:`sample_from_plan` for the arguments.
     """
     n, m = plan.y.shape[0], plan.z.shape[0]
     _check_size(n, m)
@@ -290,7 +377,26 @@ def sample_from_plan(
         keys = jnp.sort(jnp.concatenate([jnp.where(keep, keys, sentinel), forced_keys]))
         keep = _first_occurrences(keys, sentinel)
         out_capacity = capacity + forced_keys.shape[0]
-    keys = _compact(keys, keep, out_capacity, sentinel)
+    return jax.lax.stop_gradient(_compact(keys, keep, out_capacity, sentinel))
+
+
+def sample_from_plan(
+    key: jax.Array,
+    plan: SamplingPlan,
+    count: jax.Array,
+    *,
+    capacity: int,
+    law: str = "bernoulli",
+    forced_keys: jax.Array | None = None,
+) -> EdgeList:
+    """fastRG with ``count`` draws into ``capacity`` slots (plus ``forced_keys`` edges).
+
+    ``forced_keys`` (``[F] int32``, ``row * m + col``, ``n * m`` for none) are edges that
+    are always present (self-loops, local windows); the output then has
+    ``capacity + F`` slots. Draws beyond ``capacity`` are lost and set ``overflow``.
+    ``probs`` holds ``p_e`` (:func:`edge_probs`, differentiable in ``plan.ys``/``plan.z``).
+    """
+    keys = sample_edge_keys(key, plan, count, capacity=capacity, law=law, forced_keys=forced_keys)
     return _edge_list(plan, keys, count, count > capacity)
 
 

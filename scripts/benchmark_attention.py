@@ -15,7 +15,11 @@ Measures, in one process (so that ratios are fair on a shared, drifting machine)
   matrix, plan, fastRG, per-edge p, STE, attention, output projection) in training mode,
   its parameters shifted so that the sampled density is about ``--layer-density``,
   against the ``full`` attention layer; gradients with respect to all parameters and x.
-* ``sample``: fastRG alone (``sample_from_plan``) at the capacity of the 5% core.
+* ``sample``: fastRG alone as the layer runs it (``sample_edge_keys``) at the capacity of
+  the 5% core.
+
+``core`` and ``sample`` map the (example, head) pairs as the layer's sparse branches do on
+the backend (one head at a time on CPU, one ``vmap`` elsewhere).
 
 Each figure is the median of ``--repeats`` (>= 5) timed calls after ``--warmup`` calls,
 of one compiled function; memory is XLA's compiled memory analysis (``temp`` = scratch
@@ -121,8 +125,39 @@ def measure(
 
 
 # ----------------------------------------------------------------------------- workloads
+#: How ``core`` and ``sample`` map the (example, head) pairs (``--head-map``).
+HEADS = {"mode": "layer"}
+
+
+def over_heads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map a per-(example, head) function over ``[B, H, ...]`` inputs.
+
+    ``--head-map layer`` (default): as the SBM layer's sparse branches do on this backend,
+    one ``vmap`` on accelerators, one head at a time (``lax.map``) on CPU (see
+    :func:`sbm_jax.attention.sbm.sparse_heads_per_step`). ``--head-map vmap``: always one
+    ``vmap`` (the harness of the runs before 2026-11-26).
+    """
+    from sbm_jax.attention.sbm import sparse_heads_per_step
+
+    per_step = None if HEADS["mode"] == "vmap" else sparse_heads_per_step()
+    if per_step is None:
+        return jax.vmap(jax.vmap(fn))
+
+    def run(*args):
+        b, h = jax.tree.leaves(args)[0].shape[:2]
+        flat = jax.tree.map(lambda a: a.reshape(b * h, *a.shape[2:]), args)
+        out = jax.lax.map(lambda t: fn(*t), flat, batch_size=per_step)
+        return jax.tree.map(lambda a: a.reshape(b, h, *a.shape[1:]), out)
+
+    return run
+
+
 def core_fwd_bwd(impl: str) -> Callable[..., Any]:
-    """``(q, k, v [B,H,n,d], rows, cols, valid, probs [B,H,C], g [B,H,n,d]) -> grads``."""
+    """``(q, k, v [B,H,n,d], rows, cols, valid, probs [B,H,C], g [B,H,n,d]) -> grads``.
+
+    ``edge_scale = straight_through(probs)``; heads are mapped as the layer maps them
+    (:func:`over_heads`).
+    """
 
     def loss(q, k, v, probs, rows, cols, valid, g):
         def one(q1, k1, v1, p1, r1, c1, ok1):
@@ -130,7 +165,7 @@ def core_fwd_bwd(impl: str) -> Callable[..., Any]:
             scale = straight_through(p1)
             return edge_attention(q1, k1, v1, edges, edge_scale=scale, impl=impl)
 
-        out = jax.vmap(jax.vmap(one))(q, k, v, probs, rows, cols, valid)
+        out = over_heads(one)(q, k, v, probs, rows, cols, valid)
         return jnp.sum(out * g)
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
@@ -156,14 +191,21 @@ def dense_fwd_bwd(which: str) -> Callable[..., Any]:
 
 
 def sampler_fn(law: str, capacity: int) -> Callable[..., Any]:
-    """fastRG draws for every (example, head): ``(keys [B,H,2], plans) -> EdgeList``."""
+    """fastRG as the layer runs it, for every (example, head): ``(keys, plans) -> edges``.
+
+    ``sample_edge_keys`` (draws, block/row/column inverse CDFs, sort, deduplication and,
+    under bernoulli, ``p_e`` for the thinning) and ``edges_from_keys``; the layer never
+    computes ``p_e`` after the draw (its straight-through estimator needs none).
+    """
 
     def one(key, plan):
-        return fastrg.sample_from_plan(
+        keys = fastrg.sample_edge_keys(
             key, plan, jnp.asarray(capacity, jnp.int32), capacity=capacity, law=law
         )
+        e = fastrg.edges_from_keys(keys, plan.y.shape[0], plan.z.shape[0])
+        return e.rows, e.cols, e.valid
 
-    return lambda keys, plans: jax.vmap(jax.vmap(one))(keys, plans)
+    return lambda keys, plans: over_heads(one)(keys, plans)
 
 
 def make_plans(key, b: int, h: int, n: int, clusters: int, density: float, law: str):
@@ -273,6 +315,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-gib", type=float, default=6.0, help="skip larger compiled programs")
     p.add_argument("--layer-density", type=float, default=0.05)
     p.add_argument("--layer-law", default="bernoulli", choices=["bernoulli", "poisson"])
+    p.add_argument(
+        "--head-map",
+        default="layer",
+        choices=["layer", "vmap"],
+        dest="heads_mode",
+        help="map core/sampler heads as the layer does on this backend, or one vmap",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer figures")
     p.add_argument("--no-core", action="store_true", help="skip the dense and core figures")
     p.add_argument("--no-sampler", action="store_true", help="skip the fastRG figures")
@@ -295,6 +344,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    HEADS["mode"] = args.heads_mode
     b, h, d = args.batch, args.heads, args.head_dim
     max_bytes = args.max_gib * GIB
     kw = dict(repeats=args.repeats, warmup=args.warmup, max_bytes=max_bytes)
@@ -410,6 +460,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_gib": args.max_gib,
             "impls": args.impls,
             "layer_law": args.layer_law,
+            "heads_mode": args.heads_mode,
         },
         "machine": {
             "platform": platform.platform(),

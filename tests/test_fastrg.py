@@ -206,3 +206,86 @@ def test_bernoulli_rows_are_oversampled_by_their_own_bound():
     np.testing.assert_allclose(np.asarray(plan.oversample), c, rtol=1e-4)
     want = (c[:, None] * np.where(real, p + DELTA, 0)).sum()
     np.testing.assert_allclose(float(plan.expected_draws), want, rtol=1e-4)
+
+
+def _probs_case(seed: int, heads: int, n: int = 7, m: int = 6, k: int = 3, cap: int = 15):
+    # Row-sorted edge lists with empty slots at the end, as the sampler lays them out.
+    rng = np.random.default_rng(seed)
+    ys = rng.random((heads, n, k)).astype(np.float32)
+    z = rng.random((heads, m, k + 1)).astype(np.float32)  # last column: exploration
+    rows = np.full((heads, cap), n - 1, np.int32)
+    cols = np.zeros((heads, cap), np.int32)
+    valid = np.zeros((heads, cap), bool)
+    for h in range(heads):
+        keys = np.unique(rng.integers(0, n * m, size=cap - 3 - h))
+        rows[h, : keys.size], cols[h, : keys.size] = keys // m, keys % m
+        valid[h, : keys.size] = True
+        cols[h, keys.size :] = rng.integers(0, m, size=cap - keys.size)  # junk in empty slots
+    w = rng.normal(size=(heads, cap)).astype(np.float32)
+    return ys, z, rows, cols, valid, w
+
+
+def test_edge_probs_straight_through_gradient_is_two_spmms():
+    # Closed form in float64: G[i, j] = w_e on the valid edges, dys = G Z[:, :k],
+    # dz[:, :k] = G^T ys, dz[:, k:] = 0. Batched over heads (vmap): each head must get its
+    # own cotangent, not the sum over heads.
+    from sbm_jax.fastrg import edge_probs_straight_through
+
+    ys, z, rows, cols, valid, w = _probs_case(0, heads=3)
+    k = ys.shape[-1]
+
+    def loss(ys, z):
+        s = jax.vmap(edge_probs_straight_through)(ys, z, rows, cols, valid)
+        return jnp.sum(s * w), s
+
+    (_, s), (dys, dz) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(ys, z)
+    np.testing.assert_array_equal(s, valid.astype(np.float32))  # the estimator is 1 on edges
+    for h in range(ys.shape[0]):
+        g = np.zeros((ys.shape[1], z.shape[1]))
+        np.add.at(g, (rows[h][valid[h]], cols[h][valid[h]]), w[h][valid[h]])
+        np.testing.assert_allclose(dys[h], g @ z[h, :, :k].astype(np.float64), rtol=1e-5)
+        np.testing.assert_allclose(dz[h, :, :k], g.T @ ys[h].astype(np.float64), rtol=1e-5)
+        assert np.all(np.asarray(dz[h, :, k:]) == 0.0)
+
+
+def test_edge_probs_straight_through_matches_autodiff_of_edge_probs():
+    # Same gradients as straight_through(where(valid, edge_probs(...), 0)) by autodiff,
+    # also when the slots span several streamed chunks.
+    import sbm_jax.fastrg as fr
+
+    ys, z, rows, cols, valid, w = _probs_case(1, heads=1, n=40, m=33, cap=300)
+    ys, z, rows, cols, valid, w = (a[0] for a in (ys, z, rows, cols, valid, w))
+    k = ys.shape[1]
+
+    def autodiff(ys, z):
+        p = jnp.sum(ys[rows] * z[cols, :k], axis=-1)
+        return jnp.sum(jnp.where(valid, p, 0.0) * w)
+
+    def fast(ys, z):
+        return jnp.sum(fr.edge_probs_straight_through(ys, z, rows, cols, valid) * w)
+
+    want = jax.grad(autodiff, argnums=(0, 1))(ys, z)
+    old = fr.EDGE_PROB_CHUNK
+    try:
+        fr.EDGE_PROB_CHUNK = 64  # 5 chunks, the last one padded
+        got = jax.grad(fast, argnums=(0, 1))(ys, z)
+    finally:
+        fr.EDGE_PROB_CHUNK = old
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_edge_keys_are_the_sampler_layout():
+    from sbm_jax.fastrg import edges_from_keys, sample_edge_keys, sample_from_plan
+
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    key, count = jax.random.PRNGKey(4), jnp.asarray(60, jnp.int32)
+    keys = sample_edge_keys(key, plan, count, capacity=80, law="bernoulli")
+    edges = sample_from_plan(key, plan, count, capacity=80, law="bernoulli")
+    kk = np.asarray(keys)
+    nv = int(edges.num_edges)
+    assert np.all(np.diff(kk[:nv]) > 0) and np.all(kk[nv:] == N * M)
+    light = edges_from_keys(keys, N, M)
+    for name in ("rows", "cols", "valid", "num_edges"):
+        np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)

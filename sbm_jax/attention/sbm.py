@@ -23,17 +23,24 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax.attention.registry import STATS_COLLECTION, register
-from sbm_jax.edge_ops import dense_masked_attention, edge_attention
+from sbm_jax.edge_ops import (
+    EDGE_KERNEL_RESIDUAL_NAMES,
+    dense_masked_attention,
+    edge_attention,
+)
 from sbm_jax.fastrg import (
     SamplingPlan,
     check_law,
     dense_probs,
+    edge_probs_straight_through,
+    edges_from_keys,
     make_plan,
     needs_dense,
     sample_dense_mask,
-    sample_from_plan,
+    sample_edge_keys,
 )
 from sbm_jax.ste import straight_through
 
@@ -97,6 +104,14 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.sum(q_mask) * jnp.sum(k_mask), 1).astype(jnp.float32)
 
 
+#: Names of the values a sparse branch keeps for its backward pass (see
+#: :data:`SPARSE_BRANCH_POLICY`): the sampled edge keys and the edge kernel's output and
+#: softmax statistics. Everything else (edge list, kernel layout, STE) is recomputed
+#: from them in O(C); fastRG and the attention forward run once per training step.
+SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES)
+SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
+
+
 def _sparse_head(
     key,
     drop_key,
@@ -113,14 +128,18 @@ def _sparse_head(
     rate,
     kernel="segment",
 ):
+    n, m = plan.y.shape[0], plan.z.shape[0]
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
-    edges = sample_from_plan(key, plan, count, capacity=capacity, law=law, forced_keys=forced)
-    scale = straight_through(edges.probs)
+    keys = sample_edge_keys(key, plan, count, capacity=capacity, law=law, forced_keys=forced)
+    keys = checkpoint_name(keys, "sbm_edge_keys")
+    edges = edges_from_keys(keys, n, m)
+    # straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z.
+    scale = edge_probs_straight_through(plan.ys, plan.z, edges.rows, edges.cols, edges.valid)
     out = edge_attention(
         q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key, impl=kernel
     )
     density = jnp.sum(jnp.where(edges.valid, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
-    return out, density, edges.num_edges, edges.overflow
+    return out, density, edges.num_edges, count > capacity
 
 
 def _dense_head(
@@ -143,6 +162,34 @@ def _dense_head(
 def _over_batch_and_heads(fn):
     # fn(key, drop_key, plan, count, q, k, v) per (example, head); inputs carry [B, H].
     return jax.vmap(jax.vmap(fn))
+
+
+def sparse_heads_per_step(backend: str | None = None) -> int | None:
+    """How many (example, head) graphs a sparse branch processes at once.
+
+    ``None`` (all of them, one ``vmap``) on accelerators, which want wide batched
+    gathers; ``1`` on CPU, where a ``vmap`` over heads multiplies every streamed block's
+    temporaries by ``B*H`` and pushes them out of cache: measured on a 2-core x86 CPU
+    (n=2048, B*H=4, capacity n^2/16, fwd+bwd), the ``rows`` kernel took 246 ms under
+    ``vmap`` and 114 ms one head at a time, fastRG 276 ms and 202 ms.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    return 1 if backend == "cpu" else None
+
+
+def _over_heads_streamed(fn, heads_per_step: int | None):
+    """Like :func:`_over_batch_and_heads`, but ``heads_per_step`` (example, head) pairs
+    at a time (``lax.map`` over the flattened ``B*H`` axis); ``None`` = all (``vmap``)."""
+    if heads_per_step is None:
+        return _over_batch_and_heads(fn)
+
+    def run(*operands):
+        batch, heads = operands[-1].shape[:2]  # v: [B, H, L, d]
+        flat = jax.tree.map(lambda a: a.reshape(batch * heads, *a.shape[2:]), operands)
+        out = jax.lax.map(lambda ops: fn(*ops), flat, batch_size=heads_per_step)
+        return jax.tree.map(lambda a: a.reshape(batch, heads, *a.shape[1:]), out)
+
+    return run
 
 
 def sbm_attention_core(
@@ -217,9 +264,13 @@ def sbm_attention_core(
         out, density, edges, overflow = dense_fn(*operands)
         path = jnp.asarray(dense_index, jnp.int32)
     else:
+        per_step = sparse_heads_per_step()
         branches = [
             jax.checkpoint(
-                _over_batch_and_heads(partial(_sparse_head, capacity=c, kernel=kernel, **common))
+                _over_heads_streamed(
+                    partial(_sparse_head, capacity=c, kernel=kernel, **common), per_step
+                ),
+                policy=SPARSE_BRANCH_POLICY,
             )
             for c in caps
         ]
@@ -286,10 +337,6 @@ class SBMAttention(nn.Module):
       kernel: edge-attention implementation for the sparse path (see
         :func:`sbm_jax.edge_ops.edge_attention`).
       cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
-      membership_grad: True (the paper): the STE gradient on ``p`` flows through the
-        membership MLP into the query/key projections too. False: Q and K enter the MLP
-        under ``stop_gradient``, so W_q/W_k learn only from the attention scores while
-        the MLP and clusters still learn from ``p`` (a diagnostic; see docs/synthetic.md).
     """
 
     num_heads: int
@@ -310,7 +357,6 @@ class SBMAttention(nn.Module):
     max_dense_elements: int = 2**31
     kernel: str = "segment"
     cluster_init: str = "paper"
-    membership_grad: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
@@ -371,8 +417,6 @@ class SBMAttention(nn.Module):
 
         def node_embed(t: jax.Array) -> jax.Array:  # [B, L, H, hd] -> [B, L, H, hd]
             t = t.astype(jnp.float32)
-            if not self.membership_grad:
-                t = jax.lax.stop_gradient(t)
             eq = "blhd,de->blhe" if self.shared_mlp else "blhd,hde->blhe"
             h = jax.nn.relu(jnp.einsum(eq, t, w1) + b1)
             return jnp.einsum(eq, h, w2) + b2

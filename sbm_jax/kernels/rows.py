@@ -37,7 +37,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.graph import EdgeList
 
 #: Default slots per block (``Vb * R``): temporaries stay near 1 MiB per block.
@@ -190,6 +192,9 @@ def _rows_attention(cfg, q, k, v, scale, z, cols, blocks):
 
 def _rows_fwd(cfg, q, k, v, scale, z, cols, blocks):
     out, lse = _forward(cfg, q, k, v, scale, z, cols, blocks)
+    # Tagged so that a jax.checkpoint policy can keep them (see EDGE_KERNEL_RESIDUAL_NAMES).
+    out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
+    out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
     return out, (q, k, v, scale, z, cols, blocks, out, lse)
 
 
