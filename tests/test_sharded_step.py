@@ -4,9 +4,7 @@ per-head attention parameters split over ``heads``."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -15,6 +13,7 @@ import pytest
 
 from sbm_jax.training.config_checks import ConfigError
 from sbm_jax.training.trainer import accumulation_steps
+from tests.process_testing import run_and_collect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,9 +104,17 @@ SCRIPT = textwrap.dedent(
             }
         res["param_scale"] = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(one[0]))
         out[mech] = res
-    print("RESULT" + json.dumps(out))
+    print("RESULT " + json.dumps(out))
     """
 )
+
+
+def _run_on_cpu_devices(devices: int, code: str, *args: str) -> dict:
+    """Run ``code`` in a fresh Python with ``devices`` CPU devices; its RESULT line."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return run_and_collect([[sys.executable, "-c", code, *args]], env, timeout=600)[0]
 
 
 def test_accumulation_steps_closed_form():
@@ -129,20 +136,7 @@ def test_sharded_step_matches_single_device_and_reference(mechanism):
     device == the shared loop's step; for full attention also 2 accumulated micro-batches
     on 8 devices and on the (4, 2) mesh == one pass. On the (4, 2) mesh the new state's
     query kernel [dim, H, hd] (and its Adam moment) is split over ``heads`` on axis 1."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", f"MECHANISMS = ({mechanism!r},)\n" + SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    result = json.loads(line[len("RESULT") :])
+    result = _run_on_cpu_devices(8, f"MECHANISMS = ({mechanism!r},)\n" + SCRIPT)
     for mech, res in result.items():
         for name in ("eight", "reference", "data4_heads2"):
             assert res[name]["loss"] < 1e-5, (mech, name, res)
@@ -193,7 +187,7 @@ TRAINER_SCRIPT = textwrap.dedent(
     for (data, heads), stop in (((2, 2), 2), ((4, 1), 3), ((2, 2), None)):
         c = config(data, heads)
         train_and_evaluate(c, build_lra_task("listops", c), split, stop_after=stop)
-    print("RESULT" + json.dumps({"one": records(one), "split": records(split)}))
+    print("RESULT " + json.dumps({"one": records(one), "split": records(split)}))
     """
 )
 
@@ -203,20 +197,7 @@ def test_trainer_with_heads_axis_resumes_across_meshes(tmp_path):
     """``train_and_evaluate`` on a (data 2, heads 2) mesh, interrupted and resumed on a
     (4, 1) and again on a (2, 2) mesh (checkpoints restored into each layout), logs the
     same train, dev and test numbers as an uninterrupted one-device run."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    result = json.loads(line[len("RESULT") :])
+    result = _run_on_cpu_devices(4, TRAINER_SCRIPT, str(tmp_path))
     one, split = result["one"], result["split"]
     assert [(r["split"], r["step"]) for r in one] == [(r["split"], r["step"]) for r in split]
     assert [r["step"] for r in split if r["split"] == "train"] == [1, 2, 3, 4]
