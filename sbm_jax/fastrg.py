@@ -1,9 +1,10 @@
 """fastRG (Rohe et al.; paper Alg. 1) under ``jit``: SBM -> EdgeList in O(edges).
 
 The sampler works on a static number of slots (the capacity). It draws a Poisson
-number of (query, key) pairs, chooses each pair's block by inverse CDF over the
-``k*k`` block weights and its nodes by inverse CDF inside the chosen clusters,
-collapses duplicates by sorting, and returns the edges in the layout of
+number of (query, key) pairs per query row (so the slots come out grouped by row),
+chooses each draw's key cluster by inverse CDF over the row's ``k + 1`` cluster
+weights and its key by inverse CDF inside that cluster, collapses duplicates by
+sorting, and returns the edges in the layout of
 :class:`sbm_jax.graph.EdgeList`. :func:`sample_edge_keys` returns the sorted edge keys
 alone (what the attention layer keeps for its backward pass);
 :func:`edge_probs_straight_through` gives the layer eq. 9's estimator of ``p_e``
@@ -52,9 +53,10 @@ class SamplingPlan(flax.struct.PyTreeNode):
     y: jax.Array  # [n, K] masked query memberships, last column = q_mask (delta cluster)
     z: jax.Array  # [m, K] masked key memberships, last column = k_mask
     ys: jax.Array  # [n, k] Y S: per-edge probability is ys[i] . z[j, :k]
-    ycdf: jax.Array  # [K, n] per-cluster cumulative membership of queries
     zcdf: jax.Array  # [K, m] per-cluster cumulative membership of keys
-    bcdf: jax.Array  # [K*K] cumulative block weights Bbar (flattened row-major)
+    zguide: jax.Array  # [K, G + 1] int32: first key j with zcdf[v, j] > t * total_v / G
+    row_cdf: jax.Array  # [n, K] per-row cumulative weights of the key clusters
+    row_rate: jax.Array  # [n] mean draws of row i: c_i sum_j (p_ij + delta)
     expected_edges: jax.Array  # [] sum of (p + delta) over all pairs
     expected_draws: jax.Array  # [] mean Poisson draw count: sum of c_i (p_ij + delta)
     oversample: jax.Array  # [n] c_i: row i is drawn at rate c_i (p_ij + delta)
@@ -110,22 +112,26 @@ def make_plan(
     else:
         bound = jnp.asarray(0.0, f32)
         oversample = jnp.ones((n,), f32)
-    ycdf = jnp.cumsum(sg(y) * oversample[:, None], axis=0).T
     zcdf = jnp.cumsum(sg(z), axis=0).T
-    ysum, zsum = ycdf[:, -1], zcdf[:, -1]
-    bbar = ysum[:, None] * sg(big_block) * zsum[None, :]
-    bcdf = jnp.cumsum(bbar.reshape(-1))
-    expected = jnp.sum(sg(y), axis=0) @ sg(big_block) @ zsum
+    zsum = zcdf[:, -1]
+    zguide = _guide_table(zcdf)
+    # Row i draws key cluster v with weight (Y Sbar)_iv * sum_j z_jv and, inside it,
+    # key j with weight z_jv: in all, pair (i, j) gets (Y Sbar Z^T)_ij = p_ij + delta.
+    row_weights = (sg(y) @ sg(big_block)) * zsum[None, :]
+    row_cdf = jnp.cumsum(row_weights, axis=1)
+    row_rate = oversample * row_cdf[:, -1]
+    expected = jnp.sum(row_cdf[:, -1])
 
     return SamplingPlan(
         y=y,
         z=z,
         ys=ys,
-        ycdf=ycdf,
         zcdf=zcdf,
-        bcdf=bcdf,
+        zguide=zguide,
+        row_cdf=row_cdf,
+        row_rate=row_rate,
         expected_edges=expected,
-        expected_draws=bcdf[-1],
+        expected_draws=jnp.sum(row_rate),
         oversample=oversample.astype(f32),
         bound=bound.astype(f32),
         delta=delta,
@@ -137,6 +143,24 @@ def make_plan(
 def draw_count(key: jax.Array, plan: SamplingPlan) -> jax.Array:
     """Number of fastRG draws, ``Poisson(c * expected_edges)``, as int32."""
     return jax.random.poisson(key, plan.expected_draws).astype(jnp.int32)
+
+
+def draw_row_counts(key: jax.Array, plan: SamplingPlan) -> jax.Array:
+    """Draws per query row, ``[n] int32``, independent ``Poisson(plan.row_rate)``.
+
+    Their sum has the law of :func:`draw_count`; passing them to :func:`sample_edge_keys`
+    saves it the multinomial split of a total.
+    """
+    return jax.random.poisson(key, plan.row_rate).astype(jnp.int32)
+
+
+def split_count(key: jax.Array, plan: SamplingPlan, count: jax.Array) -> jax.Array:
+    """``count`` draws split over the rows, ``Multinomial(count, row_rate / sum)``, [n]."""
+    total = jnp.sum(plan.row_rate)
+    uniform = 1.0 / plan.row_rate.size
+    probs = jnp.where(total > 0, plan.row_rate / jnp.maximum(total, 1e-30), uniform)
+    counts = jax.random.multinomial(key, jnp.asarray(count, jnp.float32), probs)
+    return counts.astype(jnp.int32)
 
 
 def needs_dense(plan: SamplingPlan, law: str) -> jax.Array:
@@ -167,23 +191,89 @@ def _search_rows(cdf: jax.Array, row: jax.Array, target: jax.Array) -> jax.Array
     return lo
 
 
+def _guide_size(length: int) -> int:
+    # One guide entry per ~GUIDE_SPAN keys: a bracket then holds a few keys on average.
+    return max(1, length // GUIDE_SPAN)
+
+
+#: Keys per guide-table bucket in the in-cluster key search (see :func:`_guide_table`).
+GUIDE_SPAN = 8
+
+
+def _guide_marks(cdf: jax.Array) -> jax.Array:
+    """``[R, G + 1]`` the guide's cut points ``t * total / G`` of each row of ``cdf``."""
+    g = _guide_size(cdf.shape[1])
+    t = jnp.arange(g + 1, dtype=cdf.dtype)
+    return t[None, :] * cdf[:, -1:] / g
+
+
+def _guide_table(cdf: jax.Array) -> jax.Array:
+    """Guide table (Chen and Asau's indexed search) of each row of ``cdf`` ``[R, L]``.
+
+    ``table[r, t]`` is the first ``j`` with ``cdf[r, j] > t * total_r / G``, so the
+    inverse CDF of a target in ``[t * total_r / G, (t + 1) * total_r / G)`` lies in
+    ``[table[r, t], table[r, t + 1]]``: a bracket of ``~L / G`` entries instead of the
+    whole row. O(R G log L) to build (``G = L / GUIDE_SPAN``).
+    """
+    marks = _guide_marks(cdf)
+    table = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, marks)
+    return jnp.minimum(table, cdf.shape[1] - 1).astype(jnp.int32)
+
+
+def _search_guided(
+    cdf: jax.Array, table: jax.Array, row: jax.Array, target: jax.Array
+) -> jax.Array:
+    """Same as :func:`_search_rows` (first ``j`` with ``cdf[row, j] > target``, for
+    ``0 <= target < cdf[row, -1]``), bracketed by the guide ``table``.
+
+    The bucket ``t = floor(target G / total)`` is computed in floating point, so the
+    bracket is widened by two buckets on each side (rounding moves ``t`` by at most one);
+    the binary search inside it runs until every bracket in the batch has closed.
+    """
+    length = cdf.shape[1]
+    g = table.shape[1] - 1
+    total = cdf[row, -1]
+    t = jnp.floor(target * g / total).astype(jnp.int32)
+    tflat = table.reshape(-1)
+    tbase = row * (g + 1)
+    lo = tflat[tbase + jnp.clip(t - 2, 0, g)]
+    hi = tflat[tbase + jnp.clip(t + 3, 0, g)]
+    hi = jnp.where(t + 3 > g, length - 1, hi)
+    flat = cdf.reshape(-1)
+    base = row * length
+
+    def step(bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        right = flat.at[base + mid].get(mode="promise_in_bounds") <= target
+        return jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
+
+    lo, _ = jax.lax.while_loop(lambda b: jnp.any(b[0] < b[1]), step, (lo, hi))
+    return lo
+
+
 # Slots per streamed chunk in the sampler: gathering [C, k] memberships at once
 # materialises ~1 KB per edge (k=128) and was ~10x slower on CPU than chunks of this
 # size; the inverse-CDF searches likewise keep their bounds in cache.
 EDGE_PROB_CHUNK = 4096
 
 
-def _chunked(fn, *arrays: jax.Array) -> jax.Array:
+#: Slots per streamed chunk of the inverse-CDF searches (no ``[C, k]`` gathers there).
+SEARCH_CHUNK = 16384
+
+
+def _chunked(fn, *arrays: jax.Array, chunk: int | None = None) -> jax.Array:
     """``fn`` applied elementwise-by-slot to ``[C]`` arrays, streamed in chunks.
 
     Same values as ``fn(*arrays)``; chunks of :data:`EDGE_PROB_CHUNK` slots keep the
     per-slot temporaries (search bounds, gathered rows) in cache.
     """
+    chunk = EDGE_PROB_CHUNK if chunk is None else chunk
     size = arrays[0].shape[0]
-    if arrays[0].ndim != 1 or size <= EDGE_PROB_CHUNK:
+    if arrays[0].ndim != 1 or size <= chunk:
         return fn(*arrays)
-    pad = -size % EDGE_PROB_CHUNK
-    xs = tuple(jnp.pad(a, (0, pad)).reshape(-1, EDGE_PROB_CHUNK) for a in arrays)
+    pad = -size % chunk
+    xs = tuple(jnp.pad(a, (0, pad)).reshape(-1, chunk) for a in arrays)
     return jax.lax.map(lambda t: fn(*t), xs).reshape(-1)[:size]
 
 
@@ -278,6 +368,73 @@ def _keep_probability(plan: SamplingPlan, p: jax.Array, rows: jax.Array) -> jax.
     return jnp.where(cr > 1e-7, r / -jnp.expm1(-jnp.maximum(cr, 1e-7)), 1.0 / c)
 
 
+#: Under the bernoulli law, the share of slots (static) for which the thinning computes
+#: ``p_e``: only draws with ``u >= 1 / c_i`` need it (see :func:`_thin`).
+THIN_BUDGET = 0.25
+
+
+def _thin(
+    plan: SamplingPlan,
+    keys: jax.Array,
+    keep: jax.Array,
+    u: jax.Array,
+    m: int,
+    budget: float | None,
+) -> jax.Array:
+    """Bernoulli thinning: keep each collapsed draw with ``_keep_probability``.
+
+    The keep probability ``r / (1 - exp(-c_i r))`` is at least ``1 / c_i`` for every
+    ``r``, so a draw whose uniform is below ``1 / c_i`` is kept without ``p_e``. Only the
+    others need the ``k``-term dot product; with ``budget`` they are gathered into
+    ``ceil(budget * C)`` slots first (the full computation runs instead when more than
+    that need it). ``budget=None`` computes ``p_e`` on every slot (no ``lax.cond``: under
+    ``vmap`` a cond runs both branches).
+    """
+    capacity = keys.shape[0]
+    rows = jnp.where(keep, keys // m, 0)
+    cols = jnp.where(keep, keys % m, 0)
+    need = keep & (u * plan.oversample[rows] >= 1.0)
+
+    def accepted(r, c, uu):
+        p = jax.lax.stop_gradient(edge_probs(plan, r, c))
+        return uu < _keep_probability(plan, p, r)
+
+    def everywhere(_):
+        return accepted(rows, cols, u)
+
+    if budget is None:
+        return keep & (~need | everywhere(None))
+    size = max(1, math.ceil(budget * capacity))
+
+    def gathered(_):
+        pos = jnp.where(need, _int_cumsum(need.astype(jnp.int32)) - 1, size)
+        idx = jnp.full((size,), capacity, jnp.int32)
+        idx = idx.at[pos].set(jnp.arange(capacity, dtype=jnp.int32), mode="drop")
+        take = jnp.minimum(idx, capacity - 1)
+        ok = accepted(rows[take], cols[take], u[take])
+        return jnp.ones((capacity,), bool).at[idx].set(ok, mode="drop")
+
+    ok = jax.lax.cond(jnp.sum(need) <= size, gathered, everywhere, None)
+    return keep & (~need | ok)
+
+
+def _uniform(key: jax.Array, size: int) -> jax.Array:
+    # threefry makes its bits in pairs: an odd count took 5-9x longer on CPU (15.2 vs
+    # 1.8 ms for ~839k floats), so draw an even count and drop the last one.
+    return jax.random.uniform(key, (size + size % 2,))[:size]
+
+
+def _int_cumsum(x: jax.Array) -> jax.Array:
+    # Integer prefix sum (exact in any order): a log-depth scan was ~2x faster than
+    # jnp.cumsum over ~1M slots on a 2-core CPU (2.9 vs 5.3 ms).
+    return jax.lax.associative_scan(jnp.add, x)
+
+
+def _sort_keys(keys: jax.Array) -> jax.Array:
+    # Integer keys: stability is meaningless, and the unstable sort is ~10% faster.
+    return jax.lax.sort(keys, is_stable=False)
+
+
 def _first_occurrences(keys: jax.Array, sentinel: int) -> jax.Array:
     prev = jnp.concatenate([jnp.full((1,), -1, keys.dtype), keys[:-1]])
     return (keys != prev) & (keys != sentinel)
@@ -285,7 +442,7 @@ def _first_occurrences(keys: jax.Array, sentinel: int) -> jax.Array:
 
 def _compact(keys: jax.Array, keep: jax.Array, capacity: int, sentinel: int) -> jax.Array:
     """Move the kept entries of sorted ``keys`` to the front, in order (O(C) scatter)."""
-    pos = jnp.cumsum(keep) - 1
+    pos = _int_cumsum(keep.astype(jnp.int32)) - 1
     out = jnp.full((capacity,), sentinel, keys.dtype)
     return out.at[jnp.where(keep, pos, capacity)].set(keys, mode="drop")
 
@@ -331,6 +488,18 @@ def _check_size(n: int, m: int) -> None:
         )
 
 
+def _slot_rows(row_counts: jax.Array, capacity: int) -> jax.Array:
+    """Row of each of ``capacity`` slots when row ``i`` owns the next ``row_counts[i]``.
+
+    ``[capacity] int32``, nondecreasing; slots past the last draw get ``n``. Row ``r``
+    owns ``[ends[r-1], ends[r])``, so slot ``s`` is in row ``#{i : ends[i] <= s}``: one
+    scatter of the ``n`` ends and one cumulative sum, O(n + C).
+    """
+    ends = jnp.cumsum(row_counts)
+    marks = jnp.zeros((capacity,), jnp.int32).at[ends].add(1, mode="drop")
+    return _int_cumsum(marks)
+
+
 def sample_edge_keys(
     key: jax.Array,
     plan: SamplingPlan,
@@ -339,42 +508,49 @@ def sample_edge_keys(
     capacity: int,
     law: str = "bernoulli",
     forced_keys: jax.Array | None = None,
+    thin_budget: float | None = THIN_BUDGET,
 ) -> jax.Array:
     """fastRG's draw as sorted edge keys: ``[capacity + F] int32``, ``row * m + col``.
 
-    Valid keys come first, sorted and unique; empty slots hold the sentinel ``n * m``.
-    No gradient flows through the keys (the draw is discrete); :func:`edges_from_keys`
-    turns them into an :class:`EdgeList`. See :func:`sample_from_plan` for the arguments.
+    ``count``: the number of draws, either a total (``[]``, split over the rows by a
+    multinomial) or per row (``[n]``, :func:`draw_row_counts`). Valid keys come first,
+    sorted and unique; empty slots hold the sentinel ``n * m``. No gradient flows through
+    the keys (the draw is discrete); :func:`edges_from_keys` turns them into an
+    :class:`EdgeList`. See :func:`sample_from_plan` for the other arguments.
+
+    The draws are made row by row: row ``i``'s ``count[i]`` draws fill consecutive
+    slots, so the slots come out sorted by row; each picks a key cluster ``v`` by
+    inverse CDF over row ``i``'s ``K`` cluster weights (:attr:`SamplingPlan.row_cdf`)
+    and a key inside ``v`` by inverse CDF over the keys' memberships. Draws past
+    ``capacity`` are lost (the last rows' draws). ``thin_budget``: see :func:`_thin`.
     """
     n, m = plan.y.shape[0], plan.z.shape[0]
     _check_size(n, m)
     sentinel = n * m
-    kblocks = plan.ycdf.shape[0]
-    k_pair, k_row, k_col, k_keep = jax.random.split(key, 4)
+    k_split, k_cluster, k_col, k_keep = jax.random.split(key, 4)
+    count = jnp.asarray(count)
+    row_counts = count if count.ndim == 1 else split_count(k_split, plan, count)
+    rows = _slot_rows(row_counts.astype(jnp.int32), capacity)
+    active = rows < n
+    rows = jnp.minimum(rows, n - 1)
 
-    active = jnp.arange(capacity) < count
+    def locate(r, u_cluster, u_col):
+        # Inverse CDFs: key cluster given the row, then the key inside that cluster.
+        v = _search_rows(plan.row_cdf, r, _below(plan.row_cdf[r, -1], u_cluster))
+        cols = _search_guided(plan.zcdf, plan.zguide, v, _below(plan.zcdf[v, -1], u_col))
+        return (r * m + cols).astype(jnp.int32)
 
-    def locate(u_pair, u_row, u_col):
-        # Inverse CDFs: block pair, then row and column inside the chosen clusters.
-        t = _below(plan.bcdf[-1], u_pair)
-        pair = jnp.minimum(jnp.searchsorted(plan.bcdf, t, side="right"), kblocks * kblocks - 1)
-        u_cl, v_cl = pair // kblocks, pair % kblocks
-        rows = _search_rows(plan.ycdf, u_cl, _below(plan.ycdf[u_cl, -1], u_row))
-        cols = _search_rows(plan.zcdf, v_cl, _below(plan.zcdf[v_cl, -1], u_col))
-        return (rows * m + cols).astype(jnp.int32)
-
-    uniforms = [jax.random.uniform(kk, (capacity,)) for kk in (k_pair, k_row, k_col)]
-    keys = jnp.sort(jnp.where(active, _chunked(locate, *uniforms), sentinel))
+    uniforms = [_uniform(kk, capacity) for kk in (k_cluster, k_col)]
+    keys = _sort_keys(
+        jnp.where(active, _chunked(locate, rows, *uniforms, chunk=SEARCH_CHUNK), sentinel)
+    )
     keep = _first_occurrences(keys, sentinel)
     if law == "bernoulli":
-        r_idx = jnp.where(keep, keys // m, 0)
-        c_idx = jnp.where(keep, keys % m, 0)
-        p_draw = jax.lax.stop_gradient(edge_probs(plan, r_idx, c_idx))
-        accept = _keep_probability(plan, p_draw, r_idx)
-        keep = keep & (jax.random.uniform(k_keep, (capacity,)) < accept)
+        u_keep = _uniform(k_keep, capacity)
+        keep = _thin(plan, keys, keep, u_keep, m, thin_budget)
     out_capacity = capacity
     if forced_keys is not None:
-        keys = jnp.sort(jnp.concatenate([jnp.where(keep, keys, sentinel), forced_keys]))
+        keys = _sort_keys(jnp.concatenate([jnp.where(keep, keys, sentinel), forced_keys]))
         keep = _first_occurrences(keys, sentinel)
         out_capacity = capacity + forced_keys.shape[0]
     return jax.lax.stop_gradient(_compact(keys, keep, out_capacity, sentinel))
@@ -391,13 +567,16 @@ def sample_from_plan(
 ) -> EdgeList:
     """fastRG with ``count`` draws into ``capacity`` slots (plus ``forced_keys`` edges).
 
-    ``forced_keys`` (``[F] int32``, ``row * m + col``, ``n * m`` for none) are edges that
-    are always present (self-loops, local windows); the output then has
-    ``capacity + F`` slots. Draws beyond ``capacity`` are lost and set ``overflow``.
+    ``count`` is the total number of draws (``[]``, :func:`draw_count`) or the draws per
+    row (``[n]``, :func:`draw_row_counts`). ``forced_keys`` (``[F] int32``,
+    ``row * m + col``, ``n * m`` for none) are edges that are always present
+    (self-loops, local windows); the output then has ``capacity + F`` slots. Draws
+    beyond ``capacity`` are lost and set ``overflow``.
     ``probs`` holds ``p_e`` (:func:`edge_probs`, differentiable in ``plan.ys``/``plan.z``).
     """
     keys = sample_edge_keys(key, plan, count, capacity=capacity, law=law, forced_keys=forced_keys)
-    return _edge_list(plan, keys, count, count > capacity)
+    total = jnp.sum(count)
+    return _edge_list(plan, keys, total, total > capacity)
 
 
 def dense_probs(plan: SamplingPlan) -> jax.Array:
@@ -492,7 +671,7 @@ def sample_sbm_graph(
         q_memberships, block, k_memberships, delta=delta, q_mask=q_mask, k_mask=k_mask, law=law
     )
     k_count, k_draw = jax.random.split(key)
-    count = draw_count(k_count, plan)
+    count = draw_row_counts(k_count, plan)
 
     def sparse(_):
         return sample_from_plan(k_draw, plan, count, capacity=capacity, law=law)

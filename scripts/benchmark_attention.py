@@ -193,19 +193,29 @@ def dense_fwd_bwd(which: str) -> Callable[..., Any]:
 def sampler_fn(law: str, capacity: int) -> Callable[..., Any]:
     """fastRG as the layer runs it, for every (example, head): ``(keys, plans) -> edges``.
 
-    ``sample_edge_keys`` (draws, block/row/column inverse CDFs, sort, deduplication and,
-    under bernoulli, ``p_e`` for the thinning) and ``edges_from_keys``; the layer never
-    computes ``p_e`` after the draw (its straight-through estimator needs none).
+    ``sample_edge_keys`` (slots by row, cluster and key inverse CDFs, sort,
+    deduplication and, under bernoulli, ``p_e`` for the thinning) and
+    ``edges_from_keys``; the layer never computes ``p_e`` after the draw (its
+    straight-through estimator needs none). The per-row draw counts are an input, as in
+    the layer (which draws them before it picks a capacity bucket): see
+    :func:`fill_counts`.
     """
 
-    def one(key, plan):
-        keys = fastrg.sample_edge_keys(
-            key, plan, jnp.asarray(capacity, jnp.int32), capacity=capacity, law=law
-        )
+    def one(key, plan, row_counts):
+        keys = fastrg.sample_edge_keys(key, plan, row_counts, capacity=capacity, law=law)
         e = fastrg.edges_from_keys(keys, plan.y.shape[0], plan.z.shape[0])
         return e.rows, e.cols, e.valid
 
-    return lambda keys, plans: over_heads(one)(keys, plans)
+    return lambda keys, plans, counts: over_heads(one)(keys, plans, counts)
+
+
+def fill_counts(key, plans, capacity: int) -> jax.Array:
+    """Per-row draw counts ``[B, H, n]`` that fill all ``capacity`` slots of each head
+    (``capacity`` draws split over the rows by the plan's multinomial)."""
+    b, h = plans.row_rate.shape[:2]
+    keys = jax.random.split(key, b * h).reshape(b, h, -1)
+    split = jax.vmap(jax.vmap(lambda kk, p: fastrg.split_count(kk, p, capacity)))
+    return jax.jit(split)(keys, plans)
 
 
 def make_plans(key, b: int, h: int, n: int, clusters: int, density: float, law: str):
@@ -425,10 +435,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cap = math.ceil(0.05 * n * n)
             plans = make_plans(jax.random.PRNGKey(7), b, h, n, args.clusters, 0.05, "bernoulli")
             keys = jax.random.split(jax.random.PRNGKey(3), b * h).reshape(b, h, -1)
+            counts = fill_counts(jax.random.PRNGKey(4), plans, cap)
             for law in ("bernoulli", "poisson"):
                 rec = {"section": "sample", "n": n, "density": 0.05, "kind": f"fastRG {law}"}
                 rec["capacity"] = cap
-                rec.update(measure(sampler_fn(law, cap), (keys, plans), **kw))
+                rec.update(measure(sampler_fn(law, cap), (keys, plans, counts), **kw))
                 log(rec)
 
         if not args.no_layer and (n == TARGET_N or n in args.sizes):

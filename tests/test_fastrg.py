@@ -289,3 +289,98 @@ def test_sample_edge_keys_are_the_sampler_layout():
     light = edges_from_keys(keys, N, M)
     for name in ("rows", "cols", "valid", "num_edges"):
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
+
+
+def _cdf_cases():
+    rng = np.random.default_rng(3)
+    length = 50
+    cases = [
+        rng.random(length),  # spread weights
+        np.r_[np.zeros(20), rng.random(30)],  # leading zero-weight keys (masked tokens)
+        np.r_[rng.random(10) * 1e-6, np.ones(1), rng.random(39) * 1e-6],  # one key dominates
+        np.r_[rng.random(25), np.zeros(20), rng.random(5)],  # a flat run in the middle
+        np.r_[np.zeros(49), np.ones(1)],  # all mass on the last key
+    ]
+    return np.cumsum(np.stack(cases), axis=1).astype(np.float32)
+
+
+def test_guided_search_is_the_plain_inverse_cdf():
+    from sbm_jax.fastrg import GUIDE_SPAN, _below, _guide_table, _search_guided
+
+    cdf = jnp.asarray(_cdf_cases())
+    table = _guide_table(cdf)
+    assert table.shape == (cdf.shape[0], cdf.shape[1] // GUIDE_SPAN + 1)
+    rows = jnp.repeat(jnp.arange(cdf.shape[0]), 4000)
+    u = jax.random.uniform(jax.random.PRNGKey(0), rows.shape)
+    # Also the cut points themselves and the largest target below each total.
+    edges = jnp.concatenate([jnp.linspace(0, 1, 101)] * cdf.shape[0])
+    rows = jnp.concatenate([rows, jnp.repeat(jnp.arange(cdf.shape[0]), 101)])
+    targets = _below(cdf[rows, -1], jnp.concatenate([u, edges]))
+    got = np.asarray(jax.jit(_search_guided)(cdf, table, rows, targets))
+    # Reference: numpy's searchsorted on each row (first j with cdf[j] > target).
+    c, t, r = np.asarray(cdf), np.asarray(targets), np.asarray(rows)
+    want = np.array([np.searchsorted(c[i], x, side="right") for i, x in zip(r, t, strict=True)])
+    np.testing.assert_array_equal(got, want)
+    # The chosen key always has weight (a zero-weight key is never drawn).
+    prev = np.where(got > 0, c[r, np.maximum(got - 1, 0)], 0.0)
+    assert np.all(c[r, got] > prev)
+
+
+def test_slot_rows_repeat_each_row_by_its_count():
+    from sbm_jax.fastrg import _slot_rows
+
+    counts = np.array([0, 3, 0, 0, 2, 5, 0, 1], np.int32)
+    n = counts.size
+    for capacity in (20, 11, 6):  # room to spare, exactly full, too small
+        got = np.asarray(_slot_rows(jnp.asarray(counts), capacity))
+        want = np.r_[np.repeat(np.arange(n), counts), np.full(capacity, n)][:capacity]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_split_count_is_multinomial_over_row_rates():
+    from sbm_jax.fastrg import draw_row_counts, split_count
+
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    keys = jax.random.split(jax.random.PRNGKey(1), 2000)
+    split = np.asarray(jax.vmap(lambda kk: split_count(kk, plan, 60))(keys))
+    assert np.all(split.sum(1) == 60) and np.all(split[:, ~Q_MASK] == 0)
+    rate = np.asarray(plan.row_rate, np.float64)
+    share = rate / rate.sum()
+    # Multinomial means and standard errors per row.
+    se = np.sqrt(60 * share * (1 - share) / len(keys))
+    assert np.all(np.abs(split.mean(0) - 60 * share) < 6 * se + 1e-9)
+    per_row = np.asarray(jax.vmap(lambda kk: draw_row_counts(kk, plan))(keys))
+    # Independent Poisson counts: mean and variance both equal the row rate.
+    np.testing.assert_allclose(per_row.mean(0), rate, atol=6 * np.sqrt(rate.max() / len(keys)))
+    np.testing.assert_allclose(float(rate.sum()), float(plan.expected_draws), rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 0.4, 0.01])
+def test_thinning_matches_the_keep_probability_on_every_path(budget):
+    # 0.4: the needed p_e fit the gathered slots; 0.01: they do not (full computation).
+    from sbm_jax.fastrg import _thin
+
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    rng = np.random.default_rng(5)
+    real = np.flatnonzero((Q_MASK[:, None] & K_MASK[None, :]).reshape(-1)).astype(np.int32)
+    keys = np.r_[real, np.full(64, N * M, np.int32)]  # every real pair, then empty slots
+    keep = keys != N * M
+    rows, cols = keys[keep] // M, keys[keep] % M
+    # Reference in float64: keep iff u < r / (1 - exp(-c_i r)), r = p + delta.
+    r = _dense_p(q, s, k)[rows, cols] + DELTA
+    c = np.asarray(plan.oversample, np.float64)[rows]
+    accept = r / -np.expm1(-c * r)
+    thin = jax.jit(lambda u: _thin(plan, jnp.asarray(keys), jnp.asarray(keep), u, M, budget))
+    needed = []
+    for _ in range(20):
+        u = rng.random(keys.size).astype(np.float32)
+        got = np.asarray(thin(jnp.asarray(u)))
+        assert not got[~keep].any()
+        clear = np.abs(u[keep] - accept) > 1e-5  # float32 ties are left out
+        np.testing.assert_array_equal(got[keep][clear], (u[keep] < accept)[clear])
+        needed.append(int(np.sum(u[keep] * c >= 1)))
+    assert min(needed) > 2, "the case should need p_e on some slots"
+    if budget == 0.4:
+        assert max(needed) <= 0.4 * keys.size, "this budget should take the gathered path"

@@ -110,7 +110,7 @@ def test_layer_picks_smallest_bucket_that_fits():
             ),
             in_axes=(0, None, 0, 0),
         )(q_memb, block, k_memb, MASK)
-        counts = jax.random.poisson(jax.random.split(key)[0], plans.expected_draws)
+        counts = jax.random.poisson(jax.random.split(key)[0], plans.row_rate).sum(-1)
         want = int(np.sum(np.array(caps) < int(counts.max())))
         assert int(stats["path"]) == want
         assert not np.asarray(stats["overflow"]).any()
@@ -350,7 +350,7 @@ def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, cap
         ),
         in_axes=(0, None, 0, 0),
     )(qm, blk, km, MASK)
-    counts = jax.random.poisson(k_count, plans.expected_draws).astype(jnp.int32)
+    counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
 
     def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
         if dense:

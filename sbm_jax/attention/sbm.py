@@ -32,6 +32,7 @@ from sbm_jax.edge_ops import (
     edge_attention,
 )
 from sbm_jax.fastrg import (
+    THIN_BUDGET,
     SamplingPlan,
     check_law,
     dense_probs,
@@ -127,10 +128,13 @@ def _sparse_head(
     window,
     rate,
     kernel="segment",
+    thin_budget=None,
 ):
     n, m = plan.y.shape[0], plan.z.shape[0]
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
-    keys = sample_edge_keys(key, plan, count, capacity=capacity, law=law, forced_keys=forced)
+    keys = sample_edge_keys(
+        key, plan, count, capacity=capacity, law=law, forced_keys=forced, thin_budget=thin_budget
+    )
     keys = checkpoint_name(keys, "sbm_edge_keys")
     edges = edges_from_keys(keys, n, m)
     # straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z.
@@ -139,7 +143,7 @@ def _sparse_head(
         q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key, impl=kernel
     )
     density = jnp.sum(jnp.where(edges.valid, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
-    return out, density, edges.num_edges, count > capacity
+    return out, density, edges.num_edges, jnp.sum(count) > capacity
 
 
 def _dense_head(
@@ -245,7 +249,9 @@ def sbm_attention_core(
     )
 
     k_count, k_sample = jax.random.split(rng)
-    counts = jax.random.poisson(k_count, plans.expected_draws).astype(jnp.int32)
+    # Draws per query row ([B, H, n]): the sampler fills its slots row by row.
+    row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
+    counts = jnp.sum(row_counts, axis=-1)
     sample_keys = jax.random.split(k_sample, (batch, heads))
     if dropout_rng is not None and dropout_rate > 0.0:
         drop_keys = jax.random.split(dropout_rng, (batch, heads))
@@ -254,7 +260,7 @@ def sbm_attention_core(
         drop_keys = sample_keys  # unused when rate == 0
         rate = 0.0
     common = dict(law=law, self_loops=self_loops, window=window, rate=rate)
-    operands = (sample_keys, drop_keys, plans, counts, q, k, v)
+    operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
 
     dense_fn = _over_batch_and_heads(partial(_dense_head, **common))
     use_dense_only = impl == "dense" or (
@@ -265,10 +271,20 @@ def sbm_attention_core(
         path = jnp.asarray(dense_index, jnp.int32)
     else:
         per_step = sparse_heads_per_step()
+        # One head at a time, the thinning's lax.cond really skips work; under vmap it
+        # would run both branches, so the batched path computes p_e on every slot.
+        thin_budget = None if per_step is None else THIN_BUDGET
         branches = [
             jax.checkpoint(
                 _over_heads_streamed(
-                    partial(_sparse_head, capacity=c, kernel=kernel, **common), per_step
+                    partial(
+                        _sparse_head,
+                        capacity=c,
+                        kernel=kernel,
+                        thin_budget=thin_budget,
+                        **common,
+                    ),
+                    per_step,
                 ),
                 policy=SPARSE_BRANCH_POLICY,
             )
