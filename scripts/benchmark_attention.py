@@ -92,10 +92,10 @@ def _split_bh(a: np.ndarray, b: int, h: int) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- timing
-def measure(
-    fn: Callable[..., Any], args: Sequence[Any], *, repeats: int, warmup: int, max_bytes: float
-) -> dict[str, Any]:
-    """Compile ``fn``, read its memory analysis, then time it (median of ``repeats``)."""
+def compile_checked(
+    fn: Callable[..., Any], args: Sequence[Any], max_bytes: float
+) -> tuple[Any, dict[str, Any]]:
+    """Compile ``fn`` and read XLA's memory analysis; ``None`` when it would not fit."""
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
@@ -111,7 +111,17 @@ def measure(
         footprint = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
         if footprint > max_bytes:
             info["skipped"] = f"compiled footprint {footprint / GIB:.1f} GiB > --max-gib"
-            return info
+            return None, info
+    return compiled, info
+
+
+def measure(
+    fn: Callable[..., Any], args: Sequence[Any], *, repeats: int, warmup: int, max_bytes: float
+) -> dict[str, Any]:
+    """Compile ``fn``, read its memory analysis, then time it (median of ``repeats``)."""
+    compiled, info = compile_checked(fn, args, max_bytes)
+    if compiled is None:
+        return info
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -122,6 +132,45 @@ def measure(
     info["median_s"] = statistics.median(times)
     info["times_s"] = [round(t, 6) for t in times]
     return info
+
+
+def measure_interleaved(
+    workloads: Sequence[tuple[Callable[..., Any], Sequence[Any]]],
+    *,
+    repeats: int,
+    warmup: int,
+    max_bytes: float,
+) -> list[dict[str, Any]]:
+    """Like :func:`measure` for several workloads, timed in alternation (A B A B ...).
+
+    On a shared machine the speed drifts between minutes; alternating the calls lets
+    the drift fall on every workload alike, so their ratio is steadier than that of two
+    back-to-back medians. Each info also gets ``round_ratios``: per round, its time over
+    the first workload's.
+    """
+    infos, compiled = [], []
+    for fn, args in workloads:
+        exe, info = compile_checked(fn, args, max_bytes)
+        infos.append(info)
+        compiled.append(exe)
+    live = [i for i, c in enumerate(compiled) if c is not None]
+    for _ in range(warmup):
+        for i in live:
+            jax.block_until_ready(compiled[i](*workloads[i][1]))
+    times: dict[int, list[float]] = {i: [] for i in live}
+    for _ in range(repeats):
+        for i in live:
+            t = time.perf_counter()
+            jax.block_until_ready(compiled[i](*workloads[i][1]))
+            times[i].append(time.perf_counter() - t)
+    for i in live:
+        infos[i]["median_s"] = statistics.median(times[i])
+        infos[i]["times_s"] = [round(t, 6) for t in times[i]]
+        if live and live[0] == 0 and i != 0:
+            rounds = [a / b for a, b in zip(times[i], times[0], strict=True)]
+            infos[i]["round_ratios"] = [round(x, 4) for x in rounds]
+            infos[i]["median_round_ratio"] = statistics.median(rounds)
+    return infos
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -443,6 +492,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(rec)
 
         if not args.no_layer and (n == TARGET_N or n in args.sizes):
+            # Full and SBM layers are timed in alternation (measure_interleaved).
+            recs, loads = [], []
             for kind, kernel in [("full", "")] + [("sbm", i) for i in args.impls]:
                 rec = {
                     "section": "layer",
@@ -458,7 +509,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(rec)
                     continue
                 rec.update(info)
-                rec.update(measure(fn, a, **kw))
+                recs.append(rec)
+                loads.append((fn, a))
+            for rec, info in zip(recs, measure_interleaved(loads, **kw), strict=True):
+                rec.update(info)
                 log(rec)
     return {
         "config": {
