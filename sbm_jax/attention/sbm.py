@@ -190,7 +190,10 @@ def _over_heads_streamed(fn, heads_per_step: int | None):
     def run(*operands):
         batch, heads = operands[-1].shape[:2]  # v: [B, H, L, d]
         flat = jax.tree.map(lambda a: a.reshape(batch * heads, *a.shape[2:]), operands)
-        out = jax.lax.map(lambda ops: fn(*ops), flat, batch_size=heads_per_step)
+        # batch_size=1 would wrap fn in a vmap of one, under which a lax.cond runs both
+        # branches (the sampler's thinning relies on a real cond): map unbatched instead.
+        size = None if heads_per_step == 1 else heads_per_step
+        out = jax.lax.map(lambda ops: fn(*ops), flat, batch_size=size)
         return jax.tree.map(lambda a: a.reshape(batch, heads, *a.shape[1:]), out)
 
     return run
