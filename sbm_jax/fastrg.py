@@ -531,8 +531,10 @@ def sample_edge_keys(
     count = jnp.asarray(count)
     row_counts = count if count.ndim == 1 else split_count(k_split, plan, count)
     rows = _slot_rows(row_counts.astype(jnp.int32), capacity)
-    active = rows < n
     rows = jnp.minimum(rows, n - 1)
+    # A row without weight (masked, or zero memberships and no delta) never holds a
+    # draw, even when a caller's counts put some there.
+    active = (jnp.arange(capacity) < jnp.sum(row_counts)) & (plan.row_cdf[rows, -1] > 0)
 
     def locate(r, u_cluster, u_col):
         # Inverse CDFs: key cluster given the row, then the key inside that cluster.

@@ -384,3 +384,14 @@ def test_thinning_matches_the_keep_probability_on_every_path(budget):
     assert min(needed) > 2, "the case should need p_e on some slots"
     if budget == 0.4:
         assert max(needed) <= 0.4 * keys.size, "this budget should take the gathered path"
+
+
+def test_counts_on_rows_without_weight_give_no_edges():
+    from sbm_jax.fastrg import sample_edge_keys
+
+    q, s, k = _sbm(0.8)
+    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
+    counts = jnp.zeros((N,), jnp.int32).at[N - 1].set(5).at[0].set(3)  # row N-1 is masked
+    keys = np.asarray(sample_edge_keys(jax.random.PRNGKey(0), plan, counts, capacity=10))
+    rows = keys[keys != N * M] // M
+    assert rows.size > 0 and np.all(rows == 0)
