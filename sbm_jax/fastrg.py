@@ -265,8 +265,9 @@ SEARCH_CHUNK = 16384
 def _chunked(fn, *arrays: jax.Array, chunk: int | None = None) -> jax.Array:
     """``fn`` applied elementwise-by-slot to ``[C]`` arrays, streamed in chunks.
 
-    Same values as ``fn(*arrays)``; chunks of :data:`EDGE_PROB_CHUNK` slots keep the
-    per-slot temporaries (search bounds, gathered rows) in cache.
+    Same values as ``fn(*arrays)``; chunks of ``chunk`` slots (default
+    :data:`EDGE_PROB_CHUNK`, for ``[chunk, k]`` gathers; :data:`SEARCH_CHUNK` for the
+    searches) keep the per-slot temporaries (search bounds, gathered rows) in cache.
     """
     chunk = EDGE_PROB_CHUNK if chunk is None else chunk
     size = arrays[0].shape[0]
