@@ -176,19 +176,29 @@ def _below(total: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(u * total, jnp.nextafter(total, jnp.zeros_like(total)))
 
 
+def _bisect_step(cdf: jax.Array, row: jax.Array, target: jax.Array):
+    """One step of the batched search for the first ``j`` with ``cdf[row, j] > target``
+    inside ``[lo, hi]``: ``(lo, hi) -> (lo, hi)``."""
+    flat = cdf.reshape(-1)
+    base = row * cdf.shape[1]
+
+    def step(bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        right = flat.at[base + mid].get(mode="promise_in_bounds") <= target
+        return jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
+
+    return step
+
+
 def _search_rows(cdf: jax.Array, row: jax.Array, target: jax.Array) -> jax.Array:
     """First ``j`` with ``cdf[row, j] > target`` (batched binary search, exact in-row)."""
     length = cdf.shape[1]
-    flat = cdf.reshape(-1)
-    base = row * length
-    lo = jnp.zeros_like(row)
-    hi = jnp.full_like(row, length - 1)
+    step = _bisect_step(cdf, row, target)
+    bounds = (jnp.zeros_like(row), jnp.full_like(row, length - 1))
     for _ in range(max(1, math.ceil(math.log2(length)))):
-        mid = (lo + hi) // 2
-        right = flat.at[base + mid].get(mode="promise_in_bounds") <= target
-        lo = jnp.where(right, mid + 1, lo)
-        hi = jnp.where(right, hi, mid)
-    return lo
+        bounds = step(bounds)
+    return bounds[0]
 
 
 def _guide_size(length: int) -> int:
@@ -239,15 +249,7 @@ def _search_guided(
     lo = tflat[tbase + jnp.clip(t - 2, 0, g)]
     hi = tflat[tbase + jnp.clip(t + 3, 0, g)]
     hi = jnp.where(t + 3 > g, length - 1, hi)
-    flat = cdf.reshape(-1)
-    base = row * length
-
-    def step(bounds):
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        right = flat.at[base + mid].get(mode="promise_in_bounds") <= target
-        return jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
-
+    step = _bisect_step(cdf, row, target)
     lo, _ = jax.lax.while_loop(lambda b: jnp.any(b[0] < b[1]), step, (lo, hi))
     return lo
 

@@ -186,20 +186,10 @@ def over_heads(fn: Callable[..., Any]) -> Callable[..., Any]:
     :func:`sbm_jax.attention.sbm.sparse_heads_per_step`). ``--head-map vmap``: always one
     ``vmap`` (the harness of the runs before 2026-11-26).
     """
-    from sbm_jax.attention.sbm import sparse_heads_per_step
+    from sbm_jax.attention.sbm import map_over_heads, sparse_heads_per_step
 
     per_step = None if HEADS["mode"] == "vmap" else sparse_heads_per_step()
-    if per_step is None:
-        return jax.vmap(jax.vmap(fn))
-
-    def run(*args):
-        b, h = jax.tree.leaves(args)[0].shape[:2]
-        flat = jax.tree.map(lambda a: a.reshape(b * h, *a.shape[2:]), args)
-        size = None if per_step == 1 else per_step  # as the layer: no vmap of one
-        out = jax.lax.map(lambda t: fn(*t), flat, batch_size=size)
-        return jax.tree.map(lambda a: a.reshape(b, h, *a.shape[1:]), out)
-
-    return run
+    return map_over_heads(fn, per_step)
 
 
 def core_fwd_bwd(impl: str) -> Callable[..., Any]:

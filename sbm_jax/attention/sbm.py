@@ -181,7 +181,7 @@ def sparse_heads_per_step(backend: str | None = None) -> int | None:
     return 1 if backend == "cpu" else None
 
 
-def _over_heads_streamed(fn, heads_per_step: int | None):
+def map_over_heads(fn, heads_per_step: int | None):
     """Like :func:`_over_batch_and_heads`, but ``heads_per_step`` (example, head) pairs
     at a time (``lax.map`` over the flattened ``B*H`` axis); ``None`` = all (``vmap``)."""
     if heads_per_step is None:
@@ -274,12 +274,12 @@ def sbm_attention_core(
         path = jnp.asarray(dense_index, jnp.int32)
     else:
         per_step = sparse_heads_per_step()
-        # One head at a time, the thinning's lax.cond really skips work; under vmap it
-        # would run both branches, so the batched path computes p_e on every slot.
-        thin_budget = None if per_step is None else THIN_BUDGET
+        # One head at a time, the thinning's lax.cond really skips work; under vmap (any
+        # batch of heads) it would run both branches, so p_e is computed on every slot.
+        thin_budget = THIN_BUDGET if per_step == 1 else None
         branches = [
             jax.checkpoint(
-                _over_heads_streamed(
+                map_over_heads(
                     partial(
                         _sparse_head,
                         capacity=c,
