@@ -152,7 +152,6 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
                         [
                             "rsync",
                             "-az",
-                            "--delete",
                             "--exclude=__pycache__",
                             *[os.path.join(REPO_ROOT, s) for s in SOURCES],
                             f"{host}:{args.repo_dir}/",
