@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Time and size the Sparse Transformer pattern layers against `full`, forward + backward.
+
+Every figure is a whole registered attention layer (projections, attention, output
+projection) in training mode without dropout, ``value_and_grad`` of ``sum(out * g)``
+with respect to all parameters and the input, B=2, H=2, d_h=32 (width 64), float32, all
+tokens real. Per sequence length n, all layers are compiled in one process and timed in
+alternation (A B C A B C ...), so that the drift of a shared machine falls on every
+layer alike; each time is the median of ``--repeats`` calls after ``--warmup``.
+Memory is XLA's compiled memory analysis: ``temp`` = scratch the program allocates
+beyond its arguments and outputs. A layer whose compiled footprint exceeds
+``--max-gib`` is compiled only (memory, no time).
+
+Layers (default options unless named): ``full``; ``sparse_strided`` and
+``sparse_fixed`` with ``impl="blocked"`` (the default; stride l = round(sqrt(n)),
+fixed c = max(1, l // 8)), bidirectional and causal; ``sparse_fixed`` with c = 8
+(constant c, the paper's smallest); and the dense-mask reference ``impl="mask"`` of
+both patterns.
+
+Usage::
+
+    python scripts/benchmark_sparse_patterns.py                      # n = 1024 4096 16384
+    python scripts/benchmark_sparse_patterns.py --sizes 1024 --repeats 3
+    python scripts/benchmark_sparse_patterns.py --json out.json --markdown docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sbm_jax.attention import get_attention  # noqa: E402
+
+GIB = 2**30
+TARGET_N, GROWTH_FROM, GROWTH_TO = 4096, 4096, 16384
+SECTION = "## Sparse Transformer patterns"
+BEGIN, END = "<!-- BEGIN SPARSE PATTERNS GENERATED -->", "<!-- END SPARSE PATTERNS GENERATED -->"
+
+#: (label, registry name, options) of every layer measured.
+LAYERS: list[tuple[str, str, dict[str, Any]]] = [
+    ("full", "full", {}),
+    ("strided", "sparse_strided", {}),
+    ("strided causal", "sparse_strided", {"causal": True}),
+    ("fixed", "sparse_fixed", {}),
+    ("fixed causal", "sparse_fixed", {"causal": True}),
+    ("fixed c=8", "sparse_fixed", {"c": 8}),
+    ("strided mask", "sparse_strided", {"impl": "mask"}),
+    ("fixed mask", "sparse_fixed", {"impl": "mask"}),
+]
+
+
+def layer_fwd_bwd(name: str, options: dict[str, Any], b: int, h: int, d: int, n: int):
+    """``(fn, args)``: value_and_grad of sum(layer(x) * g) wrt (params, x)."""
+    width = h * d
+    kx, kg, kp = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (b, n, width))
+    g = jax.random.normal(kg, (b, n, width))
+    mask = jnp.ones((b, n), bool)
+    module = get_attention(name)(num_heads=h, head_dim=d, out_dim=width, **options)
+    params = module.init(kp, x[:, :8], mask[:, :8], deterministic=True)["params"]
+
+    def loss(p, x):
+        out = module.apply({"params": p}, x, mask, deterministic=False)
+        return jnp.sum(out * g)
+
+    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
+
+
+def compile_checked(fn: Callable[..., Any], args: Sequence[Any], max_bytes: float):
+    """Compile ``fn``; ``(compiled or None when over max_bytes, info)``."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    info: dict[str, Any] = {"compile_s": round(time.perf_counter() - t0, 2)}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        info.update(
+            temp_bytes=int(mem.temp_size_in_bytes),
+            argument_bytes=int(mem.argument_size_in_bytes),
+            output_bytes=int(mem.output_size_in_bytes),
+        )
+        footprint = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+        if footprint > max_bytes:
+            info["skipped"] = f"compiled only: footprint {footprint / GIB:.1f} GiB > --max-gib"
+            return None, info
+    return compiled, info
+
+
+def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: float):
+    """Compile every ``(fn, args)``, then time them in alternation; one info per workload."""
+    infos, compiled = [], []
+    for fn, args in workloads:
+        exe, info = compile_checked(fn, args, max_bytes)
+        infos.append(info)
+        compiled.append(exe)
+    live = [i for i, c in enumerate(compiled) if c is not None]
+    for _ in range(warmup):
+        for i in live:
+            jax.block_until_ready(compiled[i](*workloads[i][1]))
+    times: dict[int, list[float]] = {i: [] for i in live}
+    for _ in range(repeats):
+        for i in live:
+            t = time.perf_counter()
+            jax.block_until_ready(compiled[i](*workloads[i][1]))
+            times[i].append(time.perf_counter() - t)
+    for i in live:
+        infos[i]["median_s"] = statistics.median(times[i])
+        infos[i]["times_s"] = [round(t, 5) for t in times[i]]
+    return infos
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results = []
+    chosen = [row for row in LAYERS if args.layers is None or row[0] in args.layers]
+    for n in args.sizes:
+        loads, recs = [], []
+        for label, name, options in chosen:
+            if "mask" in label and args.mask_max_n and n > args.mask_max_n:
+                continue
+            fn, fargs = layer_fwd_bwd(name, options, args.batch, args.heads, args.head_dim, n)
+            loads.append((fn, fargs))
+            recs.append({"n": n, "layer": label, "name": name, "options": options})
+        infos = measure_interleaved(
+            loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+        )
+        for rec, info in zip(recs, infos, strict=True):
+            rec.update(info)
+            results.append(rec)
+            shown = f"{rec['median_s'] * 1e3:9.1f} ms" if "median_s" in rec else rec["skipped"]
+            print(f"n={n:6d} {rec['layer']:15s} {shown}  temp {rec['temp_bytes'] / 2**20:.1f} MiB")
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "?"
+    return {
+        "config": {
+            "batch": args.batch,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "max_gib": args.max_gib,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "backend": jax.default_backend(),
+            "devices": [str(dev) for dev in jax.devices()],
+            "cpu_count": os.cpu_count(),
+            "jax": jax.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": commit,
+        },
+        "results": results,
+    }
+
+
+def _find(results, n: int, layer: str) -> dict[str, Any] | None:
+    return next((r for r in results if r["n"] == n and r["layer"] == layer), None)
+
+
+def _ratio(a, b, key: str) -> float | None:
+    if a is None or b is None or key not in a or key not in b or not b[key]:
+        return None
+    return a[key] / b[key]
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue-18 targets for every blocked layer measured."""
+    res = report["results"]
+    full = _find(res, TARGET_N, "full")
+    rows = []
+    labels = [label for label, *_ in LAYERS if label != "full" and "mask" not in label]
+    for label in labels:
+        at = _find(res, TARGET_N, label)
+        big = _find(res, GROWTH_TO, label)
+        small = _find(res, GROWTH_FROM, label)
+        if at is None and big is None:
+            continue
+        for figure, target, value in [
+            (f"time / full, n={TARGET_N}", 0.25, _ratio(at, full, "median_s")),
+            (f"temp memory / full, n={TARGET_N}", 0.1, _ratio(at, full, "temp_bytes")),
+            (f"time n={GROWTH_FROM} -> {GROWTH_TO}", 9.0, _ratio(big, small, "median_s")),
+        ]:
+            met = None if value is None else value <= target
+            rows.append(
+                {"layer": label, "figure": figure, "target": target, "value": value, "met": met}
+            )
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cfg, mach, res = report["config"], report["machine"], report["results"]
+    lines = [
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs, "
+        f"JAX {mach['jax']}, {mach['date']}, commit {mach['commit']}. B={cfg['batch']}, "
+        f"H={cfg['heads']}, d_h={cfg['head_dim']}, float32, whole layer forward + backward, "
+        f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), layers of one n "
+        "timed in alternation in one process. Ratios are to the `full` layer at the same n.",
+        "",
+        "| n | layer | l | c | ms | time / full | temp MiB | temp / full | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res:
+        full = _find(res, r["n"], "full")
+        stride = round(r["n"] ** 0.5) if r["name"] != "full" else None
+        c = r["options"].get("c", max(1, stride // 8)) if r["name"] == "sparse_fixed" else None
+        lines.append(
+            f"| {r['n']} | {r['layer']} | {stride or '-'} | {c or '-'} "
+            f"| {_fmt(r.get('median_s', 0) * 1e3 if 'median_s' in r else None, '.1f')} "
+            f"| {_fmt(_ratio(r, full, 'median_s'))} | {r['temp_bytes'] / 2**20:.1f} "
+            f"| {_fmt(_ratio(r, full, 'temp_bytes'))} | {r.get('skipped', '')} |"
+        )
+    lines += [
+        "",
+        "| layer | figure | target | measured | met |",
+        "|---|---|---|---|---|",
+    ]
+    for t in target_rows(report):
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(
+            f"| {t['layer']} | {t['figure']} | <= {t['target']} | {_fmt(t['value'])} | {met} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, body: str) -> None:
+    """Replace the generated block of the section at the end of ``path`` (or add both)."""
+    block = f"{BEGIN}\n{body}{END}\n"
+    text = path.read_text() if path.exists() else "# Attention benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        path.write_text(head + block + rest.split(END, 1)[1].lstrip("\n"))
+        return
+    if SECTION not in text:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n"
+    path.write_text(text.rstrip("\n") + "\n\n" + block)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--layers", nargs="+", default=None, help="labels of LAYERS to run")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-gib", type=float, default=6.0, help="compile only above this")
+    p.add_argument("--mask-max-n", type=int, default=0, help="mask layers only up to n (0: all)")
+    p.add_argument("--json", default="/tmp/benchmark_sparse_patterns.json")
+    p.add_argument("--markdown", default=None, help="write the table into this file")
+    p.add_argument("--from-json", default=None, help="report a saved run, measure nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+    else:
+        report = run(args)
+        report["command"] = "python scripts/benchmark_sparse_patterns.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    body = markdown(report)
+    print(body)
+    if args.markdown:
+        write_markdown(Path(args.markdown), body)
+        print(f"wrote {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()
