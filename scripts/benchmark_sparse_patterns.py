@@ -75,11 +75,11 @@ def layer_fwd_bwd(name: str, options: dict[str, Any], b: int, h: int, d: int, n:
     # Parameters do not depend on n; init on 64 tokens (stride 8, room for c = 8).
     params = module.init(kp, x[:, :64], mask[:, :64], deterministic=True)["params"]
 
-    def loss(p, x):
+    def loss(p, x, g):  # g an argument, not a constant XLA would fold
         out = module.apply({"params": p}, x, mask, deterministic=False)
         return jnp.sum(out * g)
 
-    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x, g)
 
 
 def compile_checked(fn: Callable[..., Any], args: Sequence[Any], max_bytes: float):

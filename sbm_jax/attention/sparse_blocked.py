@@ -33,9 +33,12 @@ in float32, as in ``masked.py``.
 Memory: autodiff keeps each part's exponentials ``[B, h, G1, G2, K]`` (K keys per
 query) for the backward pass, so forward and backward scratch is O(B H n K), never
 O(n^2) (unless the pattern itself is dense, e.g. ``l = 1`` for the strided B head).
-``remat=True`` wraps each head group in ``jax.checkpoint`` to recompute them instead;
-measured on CPU (n = 4096, B = H = 2, d = 32) it saved no temp memory (the backward's
-own scratch is as large as what is stored) and cost time, so it is off by default.
+Wrapping a whole head group in ``jax.checkpoint`` (``remat=True``) was measured on CPU
+(n = 4096, B = H = 2, d = 32): no smaller (the backward's own scratch is as large as
+what is stored) and slower, so it is off. The fixed B part, whose K = nb c keys make
+it the largest, instead goes through the query blocks in chunks (``lax.map``), each
+under ``jax.checkpoint``: a chunk's scores are made, used and dropped in the forward
+and again in the backward, so on CPU they stay in cache (``CHUNK_ELEMENTS``).
 Pure ``jnp``/``lax``: the same code runs on CPU, GPU and TPU.
 """
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +55,12 @@ import jax.numpy as jnp
 Array = jax.Array
 
 _NEG = float(jnp.finfo(jnp.float32).min)
+
+#: Scores per chunk of the fixed B (summary) part, by backend. CPU: 2^18 (1 MiB of
+#: float32) was fastest of 2^18 ... 2^22 and no chunking (n = 4096 and 16384, c = 8;
+#: see docs/sparse_patterns.md). Accelerators: not measured here; 2^24 keeps the
+#: benchmark's shapes in one batched product.
+CHUNK_ELEMENTS = {"cpu": 2**18, "default": 2**24}
 
 
 @dataclass(frozen=True)
@@ -168,67 +178,129 @@ def summary_cells(stride: int, c: int, offsets: tuple[int, ...]) -> Array:
     return (stride - c - o + t[None, :]) % stride
 
 
-def _summary_part(q, k, v, key_real, stride, c, offsets, causal, exclude_block, scale) -> _Part:
-    """Fixed B: the c summary cells of every block (causal: j <= i), gathered once."""
+class _Stats(NamedTuple):
+    """A part's softmax pieces per query, rows layout [B, h, nb, l(, dv)].
+
+    ``m``: the part's maximum logit (a constant for autodiff); ``total``: sum of
+    ``exp(logit - m)`` over its keys; ``num``: the same weights (after dropout) times
+    the values; ``edges`` [B, h|1]: attended (real query, real key) pairs.
+    """
+
+    m: Array
+    total: Array
+    num: Array
+    edges: Array
+
+
+def _part_stats(
+    part: _Part, query_real: Array, dropout_rate: float, dropout_rng: Array | None
+) -> _Stats:
+    """Softmax pieces of one part; query_real [B, nb', l] in rows layout."""
+    s = jnp.where(part.allowed, part.logits, _NEG)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+    e = jnp.where(part.allowed, jnp.exp(s - m[..., None]), 0.0)
+    total = jnp.sum(e, axis=-1)
+    if dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, e.shape)
+        e = jnp.where(keep, e / (1.0 - dropout_rate), 0.0)
+    qr = part.from_rows(query_real)
+    pairs = part.allowed & qr[:, None, :, :, None]
+    edges = jnp.sum(pairs, axis=(2, 3, 4), dtype=jnp.float32)
+    return _Stats(part.to_rows(m), part.to_rows(total), part.aggregate(e), edges)
+
+
+def _merge(stats: list[_Stats]) -> tuple[Array, Array]:
+    """One softmax over the keys of all parts -> (out [B, h, nb, l, dv], edges [B, h|1]).
+
+    Queries without any key output 0.
+    """
+    m = stats[0].m
+    for st in stats[1:]:
+        m = jnp.maximum(m, st.m)
+    total, num = 0.0, 0.0
+    for st in stats:
+        w = jnp.exp(st.m - m)  # 1 for the part holding the maximum; constants
+        total = total + st.total * w
+        num = num + st.num * w[..., None].astype(st.num.dtype)
+    safe = jnp.where(total > 0.0, total, 1.0)
+    out = num / safe[..., None].astype(num.dtype)
+    return out, sum(st.edges for st in stats)
+
+
+def _summary_stats(
+    q,
+    k,
+    v,
+    key_real,
+    stride,
+    c,
+    offsets,
+    causal,
+    exclude_block,
+    scale,
+    dropout_rate,
+    rng,
+    chunk_elements,
+) -> _Stats:
+    """Fixed B: the c summary cells of every block (causal: j <= i), gathered once.
+
+    Every query sees up to M = nb c keys, so the scores are [B, h, n, M]. When they
+    exceed ``chunk_elements``, query blocks go in chunks (``lax.map``), each under
+    ``jax.checkpoint``: a chunk's scores are made, used and dropped, in the forward and
+    again in the backward, so they stay cache-sized instead of round-tripping memory.
+    """
     batch, heads, nb, size, _ = q.shape
-    cells = summary_cells(stride, c, offsets)  # [h or 1, c]
+    cells = summary_cells(stride, c, offsets)  # [h|1, c]
     idx = cells[None, :, None, :, None]  # [1, h|1, 1, c, 1]
     ks = jnp.take_along_axis(k, idx, axis=3).reshape(batch, heads, nb * c, -1)
     vs = jnp.take_along_axis(v, idx, axis=3).reshape(batch, heads, nb * c, -1)
     real = jnp.take_along_axis(key_real[:, None], cells[None, :, None, :], axis=3)
     real = real.reshape(batch, cells.shape[0], nb * c)  # [B, h|1, M]
-    y = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), c)  # key block, [M]
-    allowed = real[:, :, None, None, :]  # [B, h|1, 1, 1, M]
-    if causal:
-        j = (jnp.arange(nb, dtype=jnp.int32)[:, None] * size + cells[:, None, :]).reshape(
-            cells.shape[0], nb * c
-        )  # [h|1, M]
-        i = jnp.arange(nb * size, dtype=jnp.int32).reshape(nb, size)
-        allowed = allowed & (j[:, None, None, :] <= i[None, :, :, None])[None]
-    if exclude_block:  # the own block's cells are in the block part already
-        x = jnp.arange(nb, dtype=jnp.int32)
-        allowed = allowed & (y[None, :] != x[:, None])[:, None, :]
-    logits = _scores(q, ks, "bhxrd,bhmd->bhxrm", scale)
-    return _Part(
-        logits,
-        allowed,
-        lambda w: jnp.einsum("bhxrm,bhmd->bhxrd", w.astype(vs.dtype), vs),
-        rows=True,
-    )
+    key_block = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), c)  # [M]
+    key_pos = (jnp.arange(nb, dtype=jnp.int32)[:, None] * size + cells[:, None, :]).reshape(
+        cells.shape[0], nb * c
+    )  # [h|1, M]
 
+    def chunk(qc, qr, first, rng_c):
+        """qc [B, h, cb, l, d], qr [B, cb, l] for query blocks first, ..., first + cb - 1."""
+        x = first + jnp.arange(qc.shape[2], dtype=jnp.int32)  # query blocks
+        allowed = real[:, :, None, None, :]  # [B, h|1, 1, 1, M]
+        if causal:
+            i = x[:, None] * size + jnp.arange(size, dtype=jnp.int32)  # [cb, l]
+            allowed = allowed & (key_pos[:, None, None, :] <= i[None, :, :, None])[None]
+        if exclude_block:  # the own block's cells are in the block part already
+            allowed = allowed & (key_block[None, :] != x[:, None])[:, None, :]
+        part = _Part(
+            _scores(qc, ks, "bhxrd,bhmd->bhxrm", scale),
+            allowed,
+            lambda w: jnp.einsum("bhxrm,bhmd->bhxrd", w.astype(vs.dtype), vs),
+            rows=True,
+        )
+        return _part_stats(part, qr, dropout_rate, rng_c)
 
-def _merge_parts(parts: list[_Part], dropout_rate: float, dropout_rng: Array | None) -> Array:
-    """One softmax over the keys of all parts -> out [B, h, nb, l, dv] (0 without keys)."""
-    logits = [jnp.where(p.allowed, p.logits, _NEG) for p in parts]
-    m = None
-    for p, s in zip(parts, logits, strict=True):
-        pm = p.to_rows(jnp.max(s, axis=-1))
-        m = pm if m is None else jnp.maximum(m, pm)
-    m = jax.lax.stop_gradient(m)
-    total = 0.0
-    num = 0.0
-    keys = []
-    if dropout_rng is not None:
-        keys = [jax.random.fold_in(dropout_rng, t) for t in range(len(parts))]
-    for t, (p, s) in enumerate(zip(parts, logits, strict=True)):
-        e = jnp.where(p.allowed, jnp.exp(s - p.from_rows(m)[..., None]), 0.0)
-        total = total + p.to_rows(jnp.sum(e, axis=-1))
-        if keys:
-            keep = jax.random.bernoulli(keys[t], 1.0 - dropout_rate, e.shape)
-            e = jnp.where(keep, e / (1.0 - dropout_rate), 0.0)
-        num = num + p.aggregate(e)
-    safe = jnp.where(total > 0.0, total, 1.0)
-    return num / safe[..., None].astype(num.dtype)
+    per_block = batch * heads * size * nb * c
+    cb = max(1, min(nb, chunk_elements // per_block))
+    if cb >= nb:
+        return chunk(q, key_real, jnp.int32(0), rng)
+    nc = -(-nb // cb)
+    extra = nc * cb - nb
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+    rp = jnp.pad(key_real, ((0, 0), (0, extra), (0, 0)))
+    qp = jnp.moveaxis(qp.reshape(batch, heads, nc, cb, size, -1), 2, 0)
+    rp = jnp.moveaxis(rp.reshape(batch, nc, cb, size), 1, 0)
+    firsts = jnp.arange(nc, dtype=jnp.int32) * cb
+    if rng is None:
+        fn = jax.checkpoint(lambda a: chunk(*a, None))
+        out = jax.lax.map(fn, (qp, rp, firsts))
+    else:
+        fn = jax.checkpoint(lambda a: chunk(*a))
+        out = jax.lax.map(fn, (qp, rp, firsts, jax.random.split(rng, nc)))
 
+    def unchunk(t: Array) -> Array:  # [nc, B, h, cb, l, ...] -> [B, h, nb, l, ...]
+        t = jnp.moveaxis(t, 0, 2)
+        return t.reshape(*t.shape[:2], nc * cb, *t.shape[4:])[:, :, :nb]
 
-def _edges(parts: list[_Part], query_real: Array) -> Array:
-    """Attended (real query, real key) pairs per [B, h]; query_real [B, nb, l]."""
-    total = 0.0
-    for p in parts:
-        qr = query_real if p.rows else jnp.swapaxes(query_real, 1, 2)
-        pairs = p.allowed & qr[:, None, :, :, None]
-        total = total + jnp.sum(pairs, axis=(2, 3, 4), dtype=jnp.float32)
-    return total
+    return _Stats(unchunk(out.m), unchunk(out.total), unchunk(out.num), out.edges.sum(0))
 
 
 def _group_attention(
@@ -245,6 +317,7 @@ def _group_attention(
     offsets: tuple[int, ...],
     causal: bool,
     dropout_rate: float,
+    chunk_elements: int,
 ) -> tuple[Array, Array]:
     """Heads of one type (``types`` "A", "B" or "AB" for the union) on blocked inputs.
 
@@ -252,23 +325,41 @@ def _group_attention(
     (out [B, h, nb, l, dv], edges [B, h]).
     """
     scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-    parts = []
+    rngs = [None, None]
+    if dropout_rng is not None:
+        rngs = [jax.random.fold_in(dropout_rng, t) for t in range(2)]
+    stats = []
     if kind == "strided":
         if "A" in types:
-            parts.append(_band_part(q, k, v, token_mask, stride, causal, scale))
+            part = _band_part(q, k, v, token_mask, stride, causal, scale)
+            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[0]))
         if "B" in types:
-            parts.append(_column_part(q, k, v, token_mask, causal, types == "AB", scale))
+            part = _column_part(q, k, v, token_mask, causal, types == "AB", scale)
+            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[1]))
     else:
         if "A" in types:
-            parts.append(_block_part(q, k, v, token_mask, causal, scale))
+            part = _block_part(q, k, v, token_mask, causal, scale)
+            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[0]))
         if "B" in types:
-            parts.append(
-                _summary_part(q, k, v, token_mask, stride, c, offsets, causal, types == "AB", scale)
+            stats.append(
+                _summary_stats(
+                    q,
+                    k,
+                    v,
+                    token_mask,
+                    stride,
+                    c,
+                    offsets,
+                    causal,
+                    types == "AB",
+                    scale,
+                    dropout_rate,
+                    rngs[1],
+                    chunk_elements,
+                )
             )
-    out = _merge_parts(parts, dropout_rate, dropout_rng)
-    edges = _edges(parts, token_mask)
-    heads = q.shape[1]
-    return out, jnp.broadcast_to(edges, (q.shape[0], heads))
+    out, edges = _merge(stats)
+    return out, jnp.broadcast_to(edges, (q.shape[0], q.shape[1]))
 
 
 @partial(
@@ -282,6 +373,7 @@ def _group_attention(
         "dropout_rate",
         "deterministic",
         "remat",
+        "chunk_elements",
     ),
 )
 def blocked_pattern_attention(
@@ -299,6 +391,7 @@ def blocked_pattern_attention(
     dropout_rng: Array | None = None,
     deterministic: bool = True,
     remat: bool = False,
+    chunk_elements: int | None = None,
 ) -> tuple[Array, Array]:
     """Sparse Transformer attention (``kind`` "strided" or "fixed"), computed blockwise.
 
@@ -318,6 +411,11 @@ def blocked_pattern_attention(
         (inverted scaling), as in ``masked_attention``.
       remat: recompute the scores in the backward pass (``jax.checkpoint``) instead of
         storing them (see the module docstring for why it is off by default).
+      chunk_elements: above this many [B, h, n, nb c] scores, the fixed B (summary)
+        part runs in chunks of query blocks of at most this many scores (at least one
+        block), each recomputed in the backward. None: ``CHUNK_ELEMENTS`` of the
+        backend (small on CPU, where it keeps a chunk in cache; large elsewhere, where
+        one big batched product keeps the device busy).
 
     Returns:
       (out [B, n, H, dv], edges [B, H]): rows with no allowed real key are 0; edges
@@ -338,6 +436,8 @@ def blocked_pattern_attention(
             raise ValueError(f"attention_dropout must be < 1, got {dropout_rate}")
         if dropout_rng is None:
             raise ValueError("dropout_rng is required when dropout_rate > 0 and not deterministic")
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS.get(jax.default_backend(), CHUNK_ELEMENTS["default"])
     nb = -(-n // stride)
     total = nb * stride
     token_mask = token_mask.astype(jnp.bool_)
@@ -350,7 +450,14 @@ def blocked_pattern_attention(
         return jnp.transpose(t, (0, 2, 1, 3)).reshape(batch, t.shape[2], nb, stride, -1)
 
     real = token_mask.reshape(batch, nb, stride)
-    common = dict(kind=kind, stride=stride, c=c, causal=causal, dropout_rate=dropout_rate)
+    common = dict(
+        kind=kind,
+        stride=stride,
+        c=c,
+        causal=causal,
+        dropout_rate=dropout_rate,
+        chunk_elements=chunk_elements,
+    )
     if heads == 1:
         groups = [("AB", 0, 1, (0,))]
     else:

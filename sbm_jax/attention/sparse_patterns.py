@@ -1,7 +1,8 @@
-"""Sparse Transformer factorized attention patterns (Child et al. 2019), strided and fixed.
+"""Sparse Transformer factorized attention patterns, strided and fixed.
 
-Formulas (``/work/shared/papers/sparse_transformer_notes.md``, stride ``l``, summary
-width ``c``), for query i and key j, 0-based:
+From Child, Gray, Radford and Sutskever (2019), "Generating Long Sequences with Sparse
+Transformers" (arXiv:1904.10509), its two-dimensional factorized attention, with stride
+``l`` and summary width ``c``, for query i and key j, 0-based:
 
 * strided, head type A: ``max(0, i - l) <= j <= i`` (the previous l positions and i);
   bidirectional: ``|i - j| <= l``.
@@ -14,8 +15,15 @@ Encoders use the bidirectional forms by default (``causal=False``). Heads split 
 the two types as in the paper: with H > 1 heads the first ``ceil(H/2)`` use A and the
 rest B; with one head, the head attends to the union of A and B. Padding is removed
 from the keys on top of the pattern, and a query whose pattern leaves it no real key
-outputs zero (see ``masked.py``). The patterns are computed in the graph from iotas,
-so no n x n constant is embedded in the compiled program.
+outputs zero.
+
+Two implementations with the same parameters, outputs, gradients and stats
+(option ``impl``): ``"blocked"`` (default, ``sparse_blocked.py``) computes only the
+pattern's pairs, O(n sqrt n) for ``l ~ sqrt(n)`` and a fixed ``c``, with no n x n array;
+``"mask"`` applies the pattern as a dense [H, n, n] boolean mask through ``masked.py``
+(O(n^2), the reference the blocked form is tested against). The mask helpers below
+build the patterns in the graph from iotas, so no n x n constant is embedded in the
+compiled program.
 """
 
 from __future__ import annotations
