@@ -4,9 +4,10 @@
 Every figure is a whole registered attention layer (projections, attention, output
 projection) in training mode without dropout, ``value_and_grad`` of ``sum(out * g)``
 with respect to all parameters and the input, B=2, H=2, d_h=32 (width 64), float32, all
-tokens real. Per sequence length n, all layers are compiled in one process and timed in
-alternation (A B C A B C ...), so that the drift of a shared machine falls on every
-layer alike; each time is the median of ``--repeats`` calls after ``--warmup``.
+tokens real. All layers at all sequence lengths n are compiled in one process and timed
+in alternation (A B C A B C ...), so that the drift of a shared machine falls on every
+layer and n alike; each time is the median of ``--repeats`` calls after ``--warmup``,
+each time ratio the median over rounds of the ratio within a round.
 Memory is XLA's compiled memory analysis: ``temp`` = scratch the program allocates
 beyond its arguments and outputs. A layer whose compiled footprint exceeds
 ``--max-gib`` is compiled only (memory, no time).
@@ -125,24 +126,27 @@ def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: floa
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results = []
+    # Every layer at every n in one alternation: the load of a shared machine drifts by
+    # several times within minutes, so sizes timed one after the other would compare
+    # different loads (the n-growth target compares n = 4096 with n = 16384).
     chosen = [row for row in LAYERS if args.layers is None or row[0] in args.layers]
+    loads, results = [], []
     for n in args.sizes:
-        loads, recs = [], []
         for label, name, options in chosen:
             if "mask" in label and args.mask_max_n and n > args.mask_max_n:
                 continue
             fn, fargs = layer_fwd_bwd(name, options, args.batch, args.heads, args.head_dim, n)
             loads.append((fn, fargs))
-            recs.append({"n": n, "layer": label, "name": name, "options": options})
-        infos = measure_interleaved(
-            loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+            results.append({"n": n, "layer": label, "name": name, "options": options})
+    infos = measure_interleaved(
+        loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+    )
+    for rec, info in zip(results, infos, strict=True):
+        rec.update(info)
+        shown = f"{rec['median_s'] * 1e3:9.1f} ms" if "median_s" in rec else rec["skipped"]
+        print(
+            f"n={rec['n']:6d} {rec['layer']:15s} {shown}  temp {rec['temp_bytes'] / 2**20:.1f} MiB"
         )
-        for rec, info in zip(recs, infos, strict=True):
-            rec.update(info)
-            results.append(rec)
-            shown = f"{rec['median_s'] * 1e3:9.1f} ms" if "median_s" in rec else rec["skipped"]
-            print(f"n={n:6d} {rec['layer']:15s} {shown}  temp {rec['temp_bytes'] / 2**20:.1f} MiB")
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -176,8 +180,11 @@ def _find(results, n: int, layer: str) -> dict[str, Any] | None:
 
 
 def _ratio(a, b, key: str) -> float | None:
+    """a / b; for times the median over rounds of a's time over b's in the same round."""
     if a is None or b is None or key not in a or key not in b or not b[key]:
         return None
+    if key == "median_s":
+        return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"], strict=True))
     return a[key] / b[key]
 
 
@@ -218,7 +225,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"JAX {mach['jax']}, {mach['date']}, commit {mach['commit']}. B={cfg['batch']}, "
         f"H={cfg['heads']}, d_h={cfg['head_dim']}, float32, whole layer forward + backward, "
         f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), layers of one n "
-        "timed in alternation in one process. Ratios are to the `full` layer at the same n "
+        "timed in alternation in one process (every layer at every n in each round). Time "
+        "ratios are medians over rounds of the per-round ratio; they are to the `full` "
+        "layer at the same n "
         "(`jax.nn.dot_product_attention`); `time / mask` is to the same pattern's dense-mask "
         'reference (`impl="mask"`, plain XLA, faster than `full` on CPU).',
         "",

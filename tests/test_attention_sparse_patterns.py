@@ -402,7 +402,42 @@ def test_blocked_query_without_keys_is_zero_and_lone_key_is_copied():
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
-def test_blocked_dropout_is_unbiased():
+@pytest.mark.parametrize(
+    "options,heads",
+    [({}, 1), ({"causal": True}, 1), ({"causal": True, "distinct_summaries": True}, 4)],
+)
+def test_blocked_fixed_summary_chunks_match_mask(options, heads):
+    # The fixed B part in chunks of query blocks: one block per chunk, and 4 blocks per
+    # chunk for the union head (6 blocks: the last chunk is padded).
+    from sbm_jax.attention.masked import mask_density
+    from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
+
+    n, stride, c = 23, 4, 2
+    kq, kk, kv, kg = jax.random.split(jax.random.key(6), 4)
+    q, k, v, g = (jax.random.normal(key, (2, n, heads, 4)) for key in (kq, kk, kv, kg))
+    mask = token_mask(n, (23, 9))
+    heads_mask = loop_head_masks(SparseFixedAttention, {"stride": 4, "c": 2, **options}, n, heads)
+    allowed = jnp.asarray(heads_mask[None] & np.asarray(mask)[:, None, None, :])
+    ref = dense_masked_attention(q, k, v, allowed)
+    ref_grads = jax.grad(lambda *a: jnp.sum(g * masked_attention(*a, allowed)), (0, 1, 2))(q, k, v)
+    _, ref_edges = mask_density(allowed, mask)
+    for chunk in (1, 400):
+
+        def run(q, k, v, chunk=chunk):
+            return blocked_pattern_attention(
+                q, k, v, mask, kind="fixed", stride=stride, c=c, chunk_elements=chunk, **options
+            )
+
+        out, edges = run(q, k, v)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(edges, ref_edges)
+        grads = jax.grad(lambda *a: jnp.sum(g * run(*a)[0]), (0, 1, 2))(q, k, v)
+        for got, want in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_blocked_dropout_is_unbiased(chunk):
     # Inverted dropout keeps the expectation: the mean over many dropout draws approaches
     # the deterministic output (each weight is kept with prob. 1 - p and scaled by
     # 1 / (1 - p)); a statistical bound of 5 standard errors.
@@ -425,6 +460,7 @@ def test_blocked_dropout_is_unbiased():
             dropout_rate=0.5,
             dropout_rng=rng,
             deterministic=deterministic,
+            chunk_elements=chunk,
         )[0]
 
     base = run(None, True)
