@@ -23,6 +23,8 @@ Usage::
     python scripts/benchmark_sparse_patterns.py                      # n = 1024 4096 16384
     python scripts/benchmark_sparse_patterns.py --sizes 1024 --repeats 3
     python scripts/benchmark_sparse_patterns.py --json out.json --markdown docs/benchmarks.md
+    python scripts/benchmark_sparse_patterns.py --sizes 4096 16384 --chunk-c 8 \
+        --chunk-sweep 0 4194304 1048576 262144 65536    # chunk size of the parts
 """
 
 from __future__ import annotations
@@ -81,6 +83,46 @@ def layer_fwd_bwd(name: str, options: dict[str, Any], b: int, h: int, d: int, n:
         return jnp.sum(out * g)
 
     return jax.value_and_grad(loss, argnums=(0, 1)), (params, x, g)
+
+
+def core_fwd_bwd(kind: str, n: int, c: int | None, chunk: int, b: int, h: int, d: int):
+    """``(fn, args)``: fwd+bwd of ``blocked_pattern_attention`` (l = round(sqrt n)) alone,
+    wrt q, k, v, with ``chunk_elements=chunk`` (0: one chunk, i.e. unchunked)."""
+    from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
+
+    stride = max(1, round(n**0.5))
+    c = max(1, stride // 8) if c is None else c
+    q, k, v, g = (
+        jax.random.normal(key, (b, n, h, d)) for key in jax.random.split(jax.random.key(0), 4)
+    )
+    mask = jnp.ones((b, n), bool)
+
+    def loss(q, k, v, g):
+        out, _ = blocked_pattern_attention(
+            q, k, v, mask, kind=kind, stride=stride, c=c, chunk_elements=chunk or 2**62
+        )
+        return jnp.sum(out * g)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2)), (q, k, v, g)
+
+
+def chunk_sweep(args: argparse.Namespace) -> None:
+    """Print fwd+bwd time and temp of the cores per chunk size (one alternation)."""
+    loads, labels = [], []
+    for kind in ("strided", "fixed"):
+        for n in args.sizes:
+            for chunk in args.chunk_sweep:
+                h, d = args.heads, args.head_dim
+                loads.append(core_fwd_bwd(kind, n, args.chunk_c, chunk, args.batch, h, d))
+                labels.append((kind, n, chunk))
+    infos = measure_interleaved(
+        loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+    )
+    print("| kind | n | chunk_elements | ms | temp MiB |\n|---|---|---|---|---|")
+    for (kind, n, chunk), info in zip(labels, infos, strict=True):
+        ms = _fmt(info.get("median_s", 0) * 1e3 if "median_s" in info else None, ".1f")
+        mib = info["temp_bytes"] / 2**20
+        print(f"| {kind} | {n} | {chunk or 'unchunked'} | {ms} | {mib:.1f} |")
 
 
 def compile_checked(fn: Callable[..., Any], args: Sequence[Any], max_bytes: float):
@@ -286,11 +328,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default="/tmp/benchmark_sparse_patterns.json")
     p.add_argument("--markdown", default=None, help="write the table into this file")
     p.add_argument("--from-json", default=None, help="report a saved run, measure nothing")
+    p.add_argument(
+        "--chunk-sweep",
+        type=int,
+        nargs="+",
+        default=None,
+        help="instead: time the cores alone at these chunk_elements (0 = unchunked)",
+    )
+    p.add_argument("--chunk-c", type=int, default=None, help="fixed c for --chunk-sweep")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.chunk_sweep:
+        chunk_sweep(args)
+        return
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
     else:

@@ -30,22 +30,22 @@ Padded and out-of-range keys are removed; a query that keeps no key outputs exac
 (the convention of ``masked.py``). Scores are computed in the input dtype and the softmax
 in float32, as in ``masked.py``.
 
-Memory: autodiff keeps each part's exponentials ``[B, h, G1, G2, K]`` (K keys per
-query) for the backward pass, so forward and backward scratch is O(B H n K), never
-O(n^2) (unless the pattern itself is dense, e.g. ``l = 1`` for the strided B head).
-Wrapping a whole head group in ``jax.checkpoint`` (``remat=True``) was measured on CPU
-(n = 4096, B = H = 2, d = 32): no smaller (the backward's own scratch is as large as
-what is stored) and slower, so it is off. The fixed B part, whose K = nb c keys make
-it the largest, instead goes through the query blocks in chunks (``lax.map``), each
-under ``jax.checkpoint``: a chunk's scores are made, used and dropped in the forward
-and again in the backward, so on CPU they stay in cache (``CHUNK_ELEMENTS``).
+Every part goes through its query groups in chunks of at most ``chunk_elements``
+scores (``lax.map``, at least one group per chunk; one chunk when the part is small),
+each chunk under ``jax.checkpoint``: its scores are made, used and dropped in the
+forward and made again in the backward. Forward and backward scratch is then
+O(B H n K / chunks) plus O(B H n d), never n x n (unless the pattern itself is dense,
+e.g. ``l = 1`` for the strided B head), and on CPU, with small chunks
+(``CHUNK_ELEMENTS``), it stays in cache instead of round-tripping memory. (Storing
+the unchunked exponentials for the backward instead was 2-3x slower at n = 16384 on
+CPU; wrapping the whole unchunked computation in ``jax.checkpoint``, ``remat=True``,
+saved no memory and cost time.)
 Pure ``jnp``/``lax``: the same code runs on CPU, GPU and TPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -56,37 +56,106 @@ Array = jax.Array
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
-#: Scores per chunk of the fixed B (summary) part, by backend. CPU: 2^18 (1 MiB of
-#: float32) was fastest of 2^18 ... 2^22 and no chunking (n = 4096 and 16384, c = 8;
-#: see docs/sparse_patterns.md). Accelerators: not measured here; 2^24 keeps the
-#: benchmark's shapes in one batched product.
+#: Scores per chunk of query groups, by backend (see ``_part_stats``). CPU: 2^18
+#: (1 MiB of float32) was the fastest of 2^18 ... 2^22 and unchunked for the fixed B
+#: part (n = 4096 and 16384, c = 8; docs/sparse_patterns.md). Accelerators: not
+#: measured here; 2^24 keeps the benchmark's shapes in one batched product.
 CHUNK_ELEMENTS = {"cpu": 2**18, "default": 2**24}
 
 
-@dataclass(frozen=True)
-class _Part:
-    """One dense sub-attention of a pattern, in its own query layout.
+class _Part(NamedTuple):
+    """One dense sub-attention of a pattern, for a slice of its query groups.
 
-    ``logits``/``allowed`` are ``[B, h, G1, G2, K]`` where ``(G1, G2)`` is ``(block,
-    offset)`` when ``rows`` else ``(offset, block)``; ``aggregate(w)`` maps weights of
-    that shape to ``[B, h, nb, l, dv]``.
+    ``logits``/``allowed``: [B, h, G1, G2, K] (allowed may broadcast), G1 the group
+    axis (a block x, or an offset r for ``column``), G2 the queries of a group, K its
+    keys; ``aggregate(w)`` maps weights of that shape to [B, h, G1, G2, dv].
     """
 
     logits: Array
     allowed: Array
     aggregate: Callable[[Array], Array]
-    rows: bool
 
-    def to_rows(self, x: Array) -> Array:
-        """Per-query array [B, h, G1, G2] -> [B, h, nb, l]."""
-        return x if self.rows else jnp.swapaxes(x, -1, -2)
 
-    def from_rows(self, x: Array) -> Array:
-        return x if self.rows else jnp.swapaxes(x, -1, -2)
+class _Stats(NamedTuple):
+    """A part's softmax pieces per query, [B, h, G1, G2(, dv)].
+
+    ``m``: the part's largest logit (a constant for autodiff); ``total``: the sum of
+    ``exp(logit - m)`` over its keys; ``num``: those weights (after dropout) times the
+    values; ``edges`` [B, h|1]: attended (real query, real key) pairs.
+    """
+
+    m: Array
+    total: Array
+    num: Array
+    edges: Array
 
 
 def _scores(q: Array, k: Array, spec: str, scale: Array) -> Array:
     return jnp.einsum(spec, q, k).astype(jnp.float32) * scale
+
+
+def _stats(part: _Part, query_real: Array, dropout_rate: float, rng: Array | None) -> _Stats:
+    """Softmax pieces of one part; query_real [B, G1, G2]."""
+    s = jnp.where(part.allowed, part.logits, _NEG)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+    e = jnp.where(part.allowed, jnp.exp(s - m[..., None]), 0.0)
+    total = jnp.sum(e, axis=-1)
+    if rng is not None:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, e.shape)
+        e = jnp.where(keep, e / (1.0 - dropout_rate), 0.0)
+    pairs = part.allowed & query_real[:, None, :, :, None]
+    edges = jnp.sum(pairs, axis=(2, 3, 4), dtype=jnp.float32)
+    return _Stats(m, total, part.aggregate(e), edges)
+
+
+def _part_stats(
+    make_part: Callable[..., _Part],
+    grouped: tuple[Array, ...],
+    query_real: Array,
+    keys_per_query: int,
+    *,
+    dropout_rate: float,
+    rng: Array | None,
+    chunk_elements: int,
+) -> _Stats:
+    """Stats of a part over all its query groups, in chunks of groups when large.
+
+    ``grouped``: arrays with the group axis G1 at axis 2 ([B, h, G1, ...]);
+    ``query_real`` [B, G1, G2]; ``make_part(first, *slices)`` builds the part of groups
+    ``first, first + 1, ...`` from slices of ``grouped``. When the part's scores exceed
+    ``chunk_elements``, the groups go in chunks (``lax.map``), each under
+    ``jax.checkpoint``: a chunk's scores are made, used and dropped in the forward and
+    again in the backward, so they stay cache-sized instead of round-tripping memory.
+    """
+    batch, heads, groups, size = grouped[0].shape[:4]
+    per_group = batch * heads * size * keys_per_query
+    cb = max(1, min(groups, chunk_elements // per_group))
+
+    def chunk(first, qr, rng_c, *slices):
+        return _stats(make_part(first, *slices), qr, dropout_rate, rng_c)
+
+    if cb >= groups:
+        return chunk(jnp.int32(0), query_real, rng, *grouped)
+    nc = -(-groups // cb)
+    extra = nc * cb - groups
+
+    def split(t: Array, axis: int) -> Array:  # group axis -> [nc, ..., cb, ...]
+        pad = [(0, 0)] * t.ndim
+        pad[axis] = (0, extra)
+        t = jnp.pad(t, pad)
+        t = t.reshape(*t.shape[:axis], nc, cb, *t.shape[axis + 1 :])
+        return jnp.moveaxis(t, axis, 0)
+
+    firsts = jnp.arange(nc, dtype=jnp.int32) * cb
+    rngs = None if rng is None else jax.random.split(rng, nc)
+    xs = (firsts, split(query_real, 1), rngs, *(split(t, 2) for t in grouped))
+    out = jax.lax.map(jax.checkpoint(lambda a: chunk(*a)), xs)
+
+    def join(t: Array) -> Array:  # [nc, B, h, cb, ...] -> [B, h, G1, ...]
+        t = jnp.moveaxis(t, 0, 2)
+        return t.reshape(*t.shape[:2], nc * cb, *t.shape[4:])[:, :, :groups]
+
+    return _Stats(join(out.m), join(out.total), join(out.num), out.edges.sum(0))
 
 
 def _neighbour_blocks(x: Array, left: int, right: int, axis: int) -> Array:
@@ -105,33 +174,36 @@ def _neighbour_blocks(x: Array, left: int, right: int, axis: int) -> Array:
     return jnp.concatenate(parts, axis=axis + 1)
 
 
-def _band_part(q, k, v, key_real, stride, causal, scale) -> _Part:
+def _band_stats(q, k, v, real, stride, causal, scale, **kw) -> _Stats:
     """Strided A: ``|i - j| <= l`` (causal ``0 <= i - j <= l``) from neighbouring blocks."""
     nb, size = q.shape[2], q.shape[3]
     left, right = (1, 0) if causal else (1, 1)
     left, right = (0, 0) if nb == 1 else (left, right)
     kb = _neighbour_blocks(k, left, right, axis=2)  # [B, h, nb, w, d]
     vb = _neighbour_blocks(v, left, right, axis=2)
-    real = _neighbour_blocks(key_real, left, right, axis=1)  # [B, nb, w]
+    key_real = _neighbour_blocks(real, left, right, axis=1)[:, None]  # [B, 1, nb, w]
     width = kb.shape[3]
-    i = jnp.arange(nb * size, dtype=jnp.int32).reshape(nb, size, 1)
-    j = (jnp.arange(nb, dtype=jnp.int32)[:, None] - left) * size + jnp.arange(
-        width, dtype=jnp.int32
-    )  # [nb, w]; out-of-range blocks are zeros with key_real False
-    diff = i - j[:, None, :]
-    pattern = (diff >= 0) & (diff <= stride) if causal else jnp.abs(diff) <= stride
-    allowed = pattern[None, None] & real[:, None, :, None, :]
-    logits = _scores(q, kb, "bhxrd,bhxwd->bhxrw", scale)
-    return _Part(
-        logits,
-        allowed,
-        lambda w: jnp.einsum("bhxrw,bhxwd->bhxrd", w.astype(vb.dtype), vb),
-        rows=True,
-    )
+
+    def make(first, qc, kc, vc, rc):
+        x = first + jnp.arange(qc.shape[2], dtype=jnp.int32)
+        i = x[:, None, None] * size + jnp.arange(size, dtype=jnp.int32)[:, None]  # [cb, l, 1]
+        j = (x[:, None] - left) * size + jnp.arange(width, dtype=jnp.int32)  # [cb, w]
+        diff = i - j[:, None, :]  # out-of-range blocks are zeros with key_real False
+        pattern = (diff >= 0) & (diff <= stride) if causal else jnp.abs(diff) <= stride
+        return _Part(
+            _scores(qc, kc, "bhxrd,bhxwd->bhxrw", scale),
+            pattern[None, None] & rc[:, :, :, None, :],
+            lambda w: jnp.einsum("bhxrw,bhxwd->bhxrd", w.astype(vc.dtype), vc),
+        )
+
+    return _part_stats(make, (q, kb, vb, key_real), real, width, **kw)
 
 
-def _column_part(q, k, v, key_real, causal, exclude_band, scale) -> _Part:
-    """Strided B: keys ``j = y l + r`` of the query's offset r (causal: y <= x)."""
+def _column_stats(q, k, v, real, causal, exclude_band, scale, **kw) -> _Stats:
+    """Strided B: keys ``j = y l + r`` of the query's offset r (causal: y <= x).
+
+    Groups are the offsets r; returned stats are [B, h, r, x(, dv)].
+    """
     nb = q.shape[2]
     x = jnp.arange(nb, dtype=jnp.int32)[:, None]
     y = jnp.arange(nb, dtype=jnp.int32)[None, :]
@@ -141,30 +213,34 @@ def _column_part(q, k, v, key_real, causal, exclude_band, scale) -> _Part:
     if exclude_band:  # keys the band already covers, so the union counts them once
         near = ((x - y) >= 0) & ((x - y) <= 1) if causal else jnp.abs(x - y) <= 1
         pattern = pattern & ~near
-    real = jnp.swapaxes(key_real, 1, 2)  # [B, l, nb]: offset r, key block y
-    allowed = pattern[None, None, None] & real[:, None, :, None, :]  # [B, 1, l, nb, nb]
-    logits = _scores(q, k, "bhxrd,bhyrd->bhrxy", scale)
-    return _Part(
-        logits,
-        allowed,
-        lambda w: jnp.einsum("bhrxy,bhyrd->bhxrd", w.astype(v.dtype), v),
-        rows=False,
-    )
+    by_offset = [jnp.swapaxes(t, 2, 3) for t in (q, k, v)]  # [B, h, l, nb, d]
+    real_t = jnp.swapaxes(real, 1, 2)  # [B, l, nb]
+
+    def make(first, qc, kc, vc, rc):
+        return _Part(
+            _scores(qc, kc, "bhrxd,bhryd->bhrxy", scale),
+            pattern & rc[:, :, :, None, :],
+            lambda w: jnp.einsum("bhrxy,bhryd->bhrxd", w.astype(vc.dtype), vc),
+        )
+
+    return _part_stats(make, (*by_offset, real_t[:, None]), real_t, nb, **kw)
 
 
-def _block_part(q, k, v, key_real, causal, scale) -> _Part:
+def _block_stats(q, k, v, real, causal, scale, **kw) -> _Stats:
     """Fixed A: the query's own block (causal: j <= i)."""
-    allowed = key_real[:, None, :, None, :]  # [B, 1, nb, 1, l]
-    if causal:
-        r = jnp.arange(q.shape[3], dtype=jnp.int32)
-        allowed = allowed & (r[None, :] <= r[:, None])
-    logits = _scores(q, k, "bhxrd,bhxsd->bhxrs", scale)
-    return _Part(
-        logits,
-        allowed,
-        lambda w: jnp.einsum("bhxrs,bhxsd->bhxrd", w.astype(v.dtype), v),
-        rows=True,
-    )
+    size = q.shape[3]
+    r = jnp.arange(size, dtype=jnp.int32)
+    order = r[None, :] <= r[:, None]  # [l (query), l (key)]
+
+    def make(first, qc, kc, vc, rc):
+        allowed = rc[:, :, :, None, :]  # [B, 1, cb, 1, l]
+        return _Part(
+            _scores(qc, kc, "bhxrd,bhxsd->bhxrs", scale),
+            allowed & order if causal else allowed,
+            lambda w: jnp.einsum("bhxrs,bhxsd->bhxrd", w.astype(vc.dtype), vc),
+        )
+
+    return _part_stats(make, (q, k, v, real[:, None]), real, size, **kw)
 
 
 def summary_cells(stride: int, c: int, offsets: tuple[int, ...]) -> Array:
@@ -178,129 +254,52 @@ def summary_cells(stride: int, c: int, offsets: tuple[int, ...]) -> Array:
     return (stride - c - o + t[None, :]) % stride
 
 
-class _Stats(NamedTuple):
-    """A part's softmax pieces per query, rows layout [B, h, nb, l(, dv)].
+def _summary_stats(q, k, v, real, stride, c, offsets, causal, exclude_block, scale, **kw):
+    """Fixed B: the c summary cells of every block (causal: j <= i), gathered once."""
+    batch, heads, nb, size, _ = q.shape
+    cells = summary_cells(stride, c, offsets)  # [h|1, c]
+    idx = cells[None, :, None, :, None]  # [1, h|1, 1, c, 1]
+    ks = jnp.take_along_axis(k, idx, axis=3).reshape(batch, heads, nb * c, -1)
+    vs = jnp.take_along_axis(v, idx, axis=3).reshape(batch, heads, nb * c, -1)
+    key_real = jnp.take_along_axis(real[:, None], cells[None, :, None, :], axis=3)
+    key_real = key_real.reshape(batch, cells.shape[0], nb * c)  # [B, h|1, M]
+    key_block = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), c)  # [M]
+    key_pos = (jnp.arange(nb, dtype=jnp.int32)[:, None] * size + cells[:, None, :]).reshape(
+        cells.shape[0], nb * c
+    )  # [h|1, M]
 
-    ``m``: the part's maximum logit (a constant for autodiff); ``total``: sum of
-    ``exp(logit - m)`` over its keys; ``num``: the same weights (after dropout) times
-    the values; ``edges`` [B, h|1]: attended (real query, real key) pairs.
-    """
+    def make(first, qc):
+        x = first + jnp.arange(qc.shape[2], dtype=jnp.int32)  # query blocks of the chunk
+        allowed = key_real[:, :, None, None, :]  # [B, h|1, 1, 1, M]
+        if causal:
+            i = x[:, None] * size + jnp.arange(size, dtype=jnp.int32)  # [cb, l]
+            allowed = allowed & (key_pos[:, None, None, :] <= i[None, :, :, None])[None]
+        if exclude_block:  # the own block's cells are in the block part already
+            allowed = allowed & (key_block[None, :] != x[:, None])[:, None, :]
+        return _Part(
+            _scores(qc, ks, "bhxrd,bhmd->bhxrm", scale),
+            allowed,
+            lambda w: jnp.einsum("bhxrm,bhmd->bhxrd", w.astype(vs.dtype), vs),
+        )
 
-    m: Array
-    total: Array
-    num: Array
-    edges: Array
-
-
-def _part_stats(
-    part: _Part, query_real: Array, dropout_rate: float, dropout_rng: Array | None
-) -> _Stats:
-    """Softmax pieces of one part; query_real [B, nb', l] in rows layout."""
-    s = jnp.where(part.allowed, part.logits, _NEG)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-    e = jnp.where(part.allowed, jnp.exp(s - m[..., None]), 0.0)
-    total = jnp.sum(e, axis=-1)
-    if dropout_rng is not None:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, e.shape)
-        e = jnp.where(keep, e / (1.0 - dropout_rate), 0.0)
-    qr = part.from_rows(query_real)
-    pairs = part.allowed & qr[:, None, :, :, None]
-    edges = jnp.sum(pairs, axis=(2, 3, 4), dtype=jnp.float32)
-    return _Stats(part.to_rows(m), part.to_rows(total), part.aggregate(e), edges)
+    return _part_stats(make, (q,), real, nb * c, **kw)
 
 
 def _merge(stats: list[_Stats]) -> tuple[Array, Array]:
     """One softmax over the keys of all parts -> (out [B, h, nb, l, dv], edges [B, h|1]).
 
-    Queries without any key output 0.
+    ``stats`` in rows layout [B, h, nb, l]. Queries without any key output 0.
     """
     m = stats[0].m
     for st in stats[1:]:
         m = jnp.maximum(m, st.m)
     total, num = 0.0, 0.0
     for st in stats:
-        w = jnp.exp(st.m - m)  # 1 for the part holding the maximum; constants
+        w = jnp.exp(st.m - m)  # constants: 1 for the part holding the maximum
         total = total + st.total * w
         num = num + st.num * w[..., None].astype(st.num.dtype)
     safe = jnp.where(total > 0.0, total, 1.0)
-    out = num / safe[..., None].astype(num.dtype)
-    return out, sum(st.edges for st in stats)
-
-
-def _summary_stats(
-    q,
-    k,
-    v,
-    key_real,
-    stride,
-    c,
-    offsets,
-    causal,
-    exclude_block,
-    scale,
-    dropout_rate,
-    rng,
-    chunk_elements,
-) -> _Stats:
-    """Fixed B: the c summary cells of every block (causal: j <= i), gathered once.
-
-    Every query sees up to M = nb c keys, so the scores are [B, h, n, M]. When they
-    exceed ``chunk_elements``, query blocks go in chunks (``lax.map``), each under
-    ``jax.checkpoint``: a chunk's scores are made, used and dropped, in the forward and
-    again in the backward, so they stay cache-sized instead of round-tripping memory.
-    """
-    batch, heads, nb, size, _ = q.shape
-    cells = summary_cells(stride, c, offsets)  # [h|1, c]
-    idx = cells[None, :, None, :, None]  # [1, h|1, 1, c, 1]
-    ks = jnp.take_along_axis(k, idx, axis=3).reshape(batch, heads, nb * c, -1)
-    vs = jnp.take_along_axis(v, idx, axis=3).reshape(batch, heads, nb * c, -1)
-    real = jnp.take_along_axis(key_real[:, None], cells[None, :, None, :], axis=3)
-    real = real.reshape(batch, cells.shape[0], nb * c)  # [B, h|1, M]
-    key_block = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), c)  # [M]
-    key_pos = (jnp.arange(nb, dtype=jnp.int32)[:, None] * size + cells[:, None, :]).reshape(
-        cells.shape[0], nb * c
-    )  # [h|1, M]
-
-    def chunk(qc, qr, first, rng_c):
-        """qc [B, h, cb, l, d], qr [B, cb, l] for query blocks first, ..., first + cb - 1."""
-        x = first + jnp.arange(qc.shape[2], dtype=jnp.int32)  # query blocks
-        allowed = real[:, :, None, None, :]  # [B, h|1, 1, 1, M]
-        if causal:
-            i = x[:, None] * size + jnp.arange(size, dtype=jnp.int32)  # [cb, l]
-            allowed = allowed & (key_pos[:, None, None, :] <= i[None, :, :, None])[None]
-        if exclude_block:  # the own block's cells are in the block part already
-            allowed = allowed & (key_block[None, :] != x[:, None])[:, None, :]
-        part = _Part(
-            _scores(qc, ks, "bhxrd,bhmd->bhxrm", scale),
-            allowed,
-            lambda w: jnp.einsum("bhxrm,bhmd->bhxrd", w.astype(vs.dtype), vs),
-            rows=True,
-        )
-        return _part_stats(part, qr, dropout_rate, rng_c)
-
-    per_block = batch * heads * size * nb * c
-    cb = max(1, min(nb, chunk_elements // per_block))
-    if cb >= nb:
-        return chunk(q, key_real, jnp.int32(0), rng)
-    nc = -(-nb // cb)
-    extra = nc * cb - nb
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-    rp = jnp.pad(key_real, ((0, 0), (0, extra), (0, 0)))
-    qp = jnp.moveaxis(qp.reshape(batch, heads, nc, cb, size, -1), 2, 0)
-    rp = jnp.moveaxis(rp.reshape(batch, nc, cb, size), 1, 0)
-    firsts = jnp.arange(nc, dtype=jnp.int32) * cb
-    if rng is None:
-        fn = jax.checkpoint(lambda a: chunk(*a, None))
-        out = jax.lax.map(fn, (qp, rp, firsts))
-    else:
-        fn = jax.checkpoint(lambda a: chunk(*a))
-        out = jax.lax.map(fn, (qp, rp, firsts, jax.random.split(rng, nc)))
-
-    def unchunk(t: Array) -> Array:  # [nc, B, h, cb, l, ...] -> [B, h, nb, l, ...]
-        t = jnp.moveaxis(t, 0, 2)
-        return t.reshape(*t.shape[:2], nc * cb, *t.shape[4:])[:, :, :nb]
-
-    return _Stats(unchunk(out.m), unchunk(out.total), unchunk(out.num), out.edges.sum(0))
+    return num / safe[..., None].astype(num.dtype), sum(st.edges for st in stats)
 
 
 def _group_attention(
@@ -328,18 +327,19 @@ def _group_attention(
     rngs = [None, None]
     if dropout_rng is not None:
         rngs = [jax.random.fold_in(dropout_rng, t) for t in range(2)]
+    kw = dict(dropout_rate=dropout_rate, chunk_elements=chunk_elements)
+    union = types == "AB"
     stats = []
     if kind == "strided":
         if "A" in types:
-            part = _band_part(q, k, v, token_mask, stride, causal, scale)
-            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[0]))
+            stats.append(_band_stats(q, k, v, token_mask, stride, causal, scale, rng=rngs[0], **kw))
         if "B" in types:
-            part = _column_part(q, k, v, token_mask, causal, types == "AB", scale)
-            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[1]))
+            col = _column_stats(q, k, v, token_mask, causal, union, scale, rng=rngs[1], **kw)
+            swap = lambda t: jnp.swapaxes(t, 2, 3)  # [B, h, r, x] -> [B, h, x, r]
+            stats.append(_Stats(swap(col.m), swap(col.total), swap(col.num), col.edges))
     else:
         if "A" in types:
-            part = _block_part(q, k, v, token_mask, causal, scale)
-            stats.append(_part_stats(part, token_mask, dropout_rate, rngs[0]))
+            stats.append(_block_stats(q, k, v, token_mask, causal, scale, rng=rngs[0], **kw))
         if "B" in types:
             stats.append(
                 _summary_stats(
@@ -351,11 +351,10 @@ def _group_attention(
                     c,
                     offsets,
                     causal,
-                    types == "AB",
+                    union,
                     scale,
-                    dropout_rate,
-                    rngs[1],
-                    chunk_elements,
+                    rng=rngs[1],
+                    **kw,
                 )
             )
     out, edges = _merge(stats)
@@ -411,11 +410,10 @@ def blocked_pattern_attention(
         (inverted scaling), as in ``masked_attention``.
       remat: recompute the scores in the backward pass (``jax.checkpoint``) instead of
         storing them (see the module docstring for why it is off by default).
-      chunk_elements: above this many [B, h, n, nb c] scores, the fixed B (summary)
-        part runs in chunks of query blocks of at most this many scores (at least one
-        block), each recomputed in the backward. None: ``CHUNK_ELEMENTS`` of the
-        backend (small on CPU, where it keeps a chunk in cache; large elsewhere, where
-        one big batched product keeps the device busy).
+      chunk_elements: scores per chunk of query groups (at least one group), each
+        chunk recomputed in the backward; a part with fewer scores runs in one piece.
+        None: ``CHUNK_ELEMENTS`` of the backend (small on CPU, where a chunk stays in
+        cache; large elsewhere, where one big batched product keeps the device busy).
 
     Returns:
       (out [B, n, H, dv], edges [B, H]): rows with no allowed real key are 0; edges
