@@ -5,9 +5,10 @@ Every figure is a whole registered attention layer (projections, attention, outp
 projection) in training mode without dropout, ``value_and_grad`` of ``sum(out * g)``
 with respect to all parameters and the input, B=2, H=2, d_h=32 (width 64), float32, all
 tokens real. All layers at all sequence lengths n are compiled in one process and timed
-in alternation (A B C A B C ...), so that the drift of a shared machine falls on every
-layer and n alike; each time is the median of ``--repeats`` calls after ``--warmup``,
-each time ratio the median over rounds of the ratio within a round.
+in alternation (every layer and n once per round, in an order shuffled each round), so
+that the drift of a shared machine falls on every layer and n alike; each time is the
+median of ``--repeats`` calls after ``--warmup``, each time ratio the median over rounds
+of the ratio within a round.
 Memory is XLA's compiled memory analysis: ``temp`` = scratch the program allocates
 beyond its arguments and outputs. A layer whose compiled footprint exceeds
 ``--max-gib`` is compiled only (memory, no time).
@@ -34,6 +35,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -144,8 +146,13 @@ def compile_checked(fn: Callable[..., Any], args: Sequence[Any], max_bytes: floa
     return compiled, info
 
 
-def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: float):
-    """Compile every ``(fn, args)``, then time them in alternation; one info per workload."""
+def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: float, seed: int = 0):
+    """Compile every ``(fn, args)``, then time them in alternation; one info per workload.
+
+    The order is shuffled every round: a call right after a large one (``full`` at
+    n = 4096 frees ~1 GiB) was measured ~2x slower than the same call later in the
+    round, so a fixed order would always charge that to the same workload.
+    """
     infos, compiled = [], []
     for fn, args in workloads:
         exe, info = compile_checked(fn, args, max_bytes)
@@ -156,8 +163,11 @@ def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: floa
         for i in live:
             jax.block_until_ready(compiled[i](*workloads[i][1]))
     times: dict[int, list[float]] = {i: [] for i in live}
+    order = list(live)
+    shuffle = random.Random(seed).shuffle
     for _ in range(repeats):
-        for i in live:
+        shuffle(order)
+        for i in order:
             t = time.perf_counter()
             jax.block_until_ready(compiled[i](*workloads[i][1]))
             times[i].append(time.perf_counter() - t)
@@ -266,10 +276,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs, "
         f"JAX {mach['jax']}, {mach['date']}, commit {mach['commit']}. B={cfg['batch']}, "
         f"H={cfg['heads']}, d_h={cfg['head_dim']}, float32, whole layer forward + backward, "
-        f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), layers of one n "
-        "timed in alternation in one process (every layer at every n in each round). Time "
-        "ratios are medians over rounds of the per-round ratio; they are to the `full` "
-        "layer at the same n "
+        f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), timed in "
+        "alternation in one process (every layer at every n once per round, order "
+        "shuffled per round). Time ratios are medians over rounds of the per-round ratio; "
+        "they are to the `full` layer at the same n "
         "(`jax.nn.dot_product_attention`); `time / mask` is to the same pattern's dense-mask "
         'reference (`impl="mask"`, plain XLA, faster than `full` on CPU).',
         "",

@@ -36,10 +36,12 @@ each chunk under ``jax.checkpoint``: its scores are made, used and dropped in th
 forward and made again in the backward. Forward and backward scratch is then
 O(B H n K / chunks) plus O(B H n d), never n x n (unless the pattern itself is dense,
 e.g. ``l = 1`` for the strided B head), and on CPU, with small chunks
-(``CHUNK_ELEMENTS``), it stays in cache instead of round-tripping memory. (Storing
-the unchunked exponentials for the backward instead was 2-3x slower at n = 16384 on
-CPU; wrapping the whole unchunked computation in ``jax.checkpoint``, ``remat=True``,
-saved no memory and cost time.)
+(``CHUNK_ELEMENTS``), it stays in cache instead of round-tripping memory. (Plain
+autodiff, storing the unchunked exponentials for the backward, was 1.6x (strided) and
+3.3x (fixed) slower at n = 16384 on CPU; wrapping the whole unchunked computation in
+``jax.checkpoint``, ``remat=True``, saved no memory and cost time. Figures in
+docs/sparse_patterns.md.)
+
 Pure ``jnp``/``lax``: the same code runs on CPU, GPU and TPU.
 """
 
@@ -57,9 +59,9 @@ Array = jax.Array
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 #: Scores per chunk of query groups, by backend (see ``_part_stats``). CPU: 2^18
-#: (1 MiB of float32) was the fastest of 2^18 ... 2^22 and unchunked for the fixed B
-#: part (n = 4096 and 16384, c = 8; docs/sparse_patterns.md). Accelerators: not
-#: measured here; 2^24 keeps the benchmark's shapes in one batched product.
+#: (1 MiB of float32) was the fastest or near it among 2^16 ... 2^22 and unchunked
+#: (n = 4096 and 16384, strided and fixed with c = 8; docs/sparse_patterns.md).
+#: Accelerators: not measured here; 2^24 keeps the benchmark's shapes in one product.
 CHUNK_ELEMENTS = {"cpu": 2**18, "default": 2**24}
 
 
