@@ -403,35 +403,53 @@ def test_blocked_query_without_keys_is_zero_and_lone_key_is_copied():
 
 
 @pytest.mark.parametrize(
-    "options,heads",
-    [({}, 1), ({"causal": True}, 1), ({"causal": True, "distinct_summaries": True}, 4)],
+    "cls,options,heads",
+    [
+        (SparseFixedAttention, {"c": 2}, 1),
+        (SparseFixedAttention, {"c": 2, "causal": True}, 1),
+        (SparseStridedAttention, {}, 1),
+        pytest.param(SparseStridedAttention, {"causal": True}, 3, marks=pytest.mark.slow),
+        pytest.param(
+            SparseFixedAttention,
+            {"c": 2, "causal": True, "distinct_summaries": True},
+            4,
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=_case_id,
 )
-def test_blocked_fixed_summary_chunks_match_mask(options, heads):
-    # The fixed B part in chunks of query blocks: one block per chunk, and 4 blocks per
-    # chunk for the union head (6 blocks: the last chunk is padded).
+def test_blocked_parts_in_chunks_match_mask(cls, options, heads):
+    # Every part through its query groups in chunks (lax.map + checkpoint): one group per
+    # chunk (chunk_elements=1), and several groups per chunk with the last chunk padded
+    # (400: e.g. 4 of the 6 blocks for the fixed B part of the union head).
     from sbm_jax.attention.masked import mask_density
     from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
 
-    n, stride, c = 23, 4, 2
+    n, stride = 23, 4
+    kind = "fixed" if cls is SparseFixedAttention else "strided"
     kq, kk, kv, kg = jax.random.split(jax.random.key(6), 4)
     q, k, v, g = (jax.random.normal(key, (2, n, heads, 4)) for key in (kq, kk, kv, kg))
     mask = token_mask(n, (23, 9))
-    heads_mask = loop_head_masks(SparseFixedAttention, {"stride": 4, "c": 2, **options}, n, heads)
+    heads_mask = loop_head_masks(cls, {"stride": stride, **options}, n, heads)
     allowed = jnp.asarray(heads_mask[None] & np.asarray(mask)[:, None, None, :])
     ref = dense_masked_attention(q, k, v, allowed)
-    ref_grads = jax.grad(lambda *a: jnp.sum(g * masked_attention(*a, allowed)), (0, 1, 2))(q, k, v)
+    ref_grads = jax.jit(jax.grad(lambda *a: jnp.sum(g * masked_attention(*a, allowed)), (0, 1, 2)))(
+        q, k, v
+    )
     _, ref_edges = mask_density(allowed, mask)
     for chunk in (1, 400):
 
-        def run(q, k, v, chunk=chunk):
-            return blocked_pattern_attention(
-                q, k, v, mask, kind="fixed", stride=stride, c=c, chunk_elements=chunk, **options
+        def loss(q, k, v, chunk=chunk):
+            out, edges = blocked_pattern_attention(
+                q, k, v, mask, kind=kind, stride=stride, chunk_elements=chunk, **options
             )
+            return jnp.sum(g * out), (out, edges)
 
-        out, edges = run(q, k, v)
+        (_, (out, edges)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+            q, k, v
+        )
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(edges, ref_edges)
-        grads = jax.grad(lambda *a: jnp.sum(g * run(*a)[0]), (0, 1, 2))(q, k, v)
         for got, want in zip(grads, ref_grads, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
