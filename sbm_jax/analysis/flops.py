@@ -51,8 +51,9 @@ local (w)          ``r = w // 2``, blocks ``b = max(1, min(r, n))``, ``nb = ceil
 sparse_strided,    E = attended (query, key) pairs of the head's pattern (closed-form row
 sparse_fixed       counts, see ``pattern_edges``): ``scale nd``; ``scores 2Ed``;
                    ``softmax 5E``; ``aggregation 2Ed``. This is the algorithmic cost; the
-                   current implementation applies the pattern as a dense n x n mask and
-                   executes full attention's FLOPs.
+                   default ``impl="blocked"`` executes the scores of the blocks it
+                   gathers (a small multiple of E, e.g. 3l keys per query for the
+                   strided band that keeps 2l + 1); ``impl="mask"`` full attention's.
 sbm (k clusters,   E = density n^2 sampled edges. ``memberships_mlp 2 (2 * 2nd^2 + 3nd)``
 density rho)       (two-layer MLP with biases and relu on Q and K);
                    ``memberships 2 (2nkd + nk)`` (x C^T, sigmoid);

@@ -1,7 +1,8 @@
-"""Sparse Transformer factorized attention patterns (Child et al. 2019), strided and fixed.
+"""Sparse Transformer factorized attention patterns, strided and fixed.
 
-Formulas (``/work/shared/papers/sparse_transformer_notes.md``, stride ``l``, summary
-width ``c``), for query i and key j, 0-based:
+From Child, Gray, Radford and Sutskever (2019), "Generating Long Sequences with Sparse
+Transformers" (arXiv:1904.10509), its two-dimensional factorized attention, with stride
+``l`` and summary width ``c``, for query i and key j, 0-based:
 
 * strided, head type A: ``max(0, i - l) <= j <= i`` (the previous l positions and i);
   bidirectional: ``|i - j| <= l``.
@@ -14,8 +15,15 @@ Encoders use the bidirectional forms by default (``causal=False``). Heads split 
 the two types as in the paper: with H > 1 heads the first ``ceil(H/2)`` use A and the
 rest B; with one head, the head attends to the union of A and B. Padding is removed
 from the keys on top of the pattern, and a query whose pattern leaves it no real key
-outputs zero (see ``masked.py``). The patterns are computed in the graph from iotas,
-so no n x n constant is embedded in the compiled program.
+outputs zero.
+
+Two implementations with the same parameters, outputs, gradients and stats
+(option ``impl``): ``"blocked"`` (default, ``sparse_blocked.py``) computes only the
+pattern's pairs, O(n sqrt n) for ``l ~ sqrt(n)`` and a fixed ``c``, with no n x n array;
+``"mask"`` applies the pattern as a dense [H, n, n] boolean mask through ``masked.py``
+(O(n^2), the reference the blocked form is tested against). The mask helpers below
+build the patterns in the graph from iotas, so no n x n constant is embedded in the
+compiled program.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import jax.numpy as jnp
 
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
+from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
 
 Array = jax.Array
 
@@ -105,14 +114,45 @@ def split_heads(a_patterns: Array, b_patterns: Array, num_heads: int) -> Array:
     return jnp.stack(heads)
 
 
+IMPLS = ("blocked", "mask")
+
+
 class _PatternAttention(nn.Module):
-    """Multi-head attention whose heads follow fixed boolean patterns (see subclasses)."""
+    """Multi-head attention whose heads follow a Sparse Transformer pattern (subclasses).
+
+    ``impl="blocked"`` (default) runs ``sparse_blocked.blocked_pattern_attention`` in
+    O(n sqrt n); ``impl="mask"`` applies ``head_patterns(n)`` as a dense [H, n, n] mask
+    through ``masked_attention`` (O(n^2), the reference). Both give the same outputs,
+    gradients and stats and use the same parameters.
+    """
 
     num_heads: int
     head_dim: int
     out_dim: int
     attention_dropout: float = 0.0
     dtype: Any = jnp.float32
+    stride: int | None = None
+    causal: bool = False
+    impl: str = "blocked"
+
+    def __post_init__(self) -> None:
+        # Options known at construction fail here, before anything is traced.
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"model.attention_options.stride must be >= 1, got {self.stride}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"model.attention_options.impl={self.impl!r} must be one of {IMPLS}")
+        super().__post_init__()
+
+    def resolved_stride(self, n: int) -> int:
+        """The stride l for input length n (``stride`` or ``round(sqrt(n))``)."""
+        stride = default_stride(n) if self.stride is None else self.stride
+        if stride < 1:
+            raise ValueError(f"model.attention_options.stride must be >= 1, got {stride}")
+        return stride
+
+    def blocked_options(self, n: int) -> dict[str, Any]:
+        """Keyword options of ``blocked_pattern_attention`` for input length n."""
+        raise NotImplementedError(f"{type(self).__name__} must define blocked_options")
 
     def head_patterns(self, n: int) -> Array:
         """bool [H, n, n]: which keys each head's queries may attend to."""
@@ -124,26 +164,27 @@ class _PatternAttention(nn.Module):
         if mask.shape != x.shape[:2]:
             raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
         n = x.shape[1]
+        options = self.blocked_options(n)  # validates the options before any tracing
         features = (self.num_heads, self.head_dim)
         q = nn.DenseGeneral(features, dtype=self.dtype, name="query")(x)
         k = nn.DenseGeneral(features, dtype=self.dtype, name="key")(x)
         v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
-        allowed = self.head_patterns(n)[None] & key_padding_mask(mask)  # [B, H, n, n]
-        density, edges = mask_density(allowed, mask)
-        self.sow(STATS_COLLECTION, "density", density)
-        self.sow(STATS_COLLECTION, "edges", edges)
         rng = None
         if not deterministic and self.attention_dropout > 0.0:
             rng = self.make_rng("dropout")
-        out = masked_attention(
-            q,
-            k,
-            v,
-            allowed,
-            dropout_rate=self.attention_dropout,
-            dropout_rng=rng,
-            deterministic=deterministic,
+        dropout = dict(
+            dropout_rate=self.attention_dropout, dropout_rng=rng, deterministic=deterministic
         )
+        if self.impl == "mask":
+            allowed = self.head_patterns(n)[None] & key_padding_mask(mask)  # [B, H, n, n]
+            density, edges = mask_density(allowed, mask)
+            out = masked_attention(q, k, v, allowed, **dropout)
+        else:
+            out, edges = blocked_pattern_attention(q, k, v, mask, **options, **dropout)
+            real = jnp.sum(mask, axis=-1, dtype=jnp.float32)
+            density = edges / jnp.maximum(real * real, 1.0)[:, None]
+        self.sow(STATS_COLLECTION, "density", density)
+        self.sow(STATS_COLLECTION, "edges", edges)
         return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 
@@ -151,17 +192,15 @@ class _PatternAttention(nn.Module):
 class SparseStridedAttention(_PatternAttention):
     """Sparse Transformer strided attention.
 
-    Options: ``stride`` (l; None = round(sqrt(n)) of the input length), ``causal``.
+    Options: ``stride`` (l; None = round(sqrt(n)) of the input length), ``causal``,
+    ``impl`` ("blocked", default, O(n sqrt n); "mask", the dense-mask reference).
     """
 
-    stride: int | None = None
-    causal: bool = False
+    def blocked_options(self, n: int) -> dict[str, Any]:
+        return dict(kind="strided", stride=self.resolved_stride(n), causal=self.causal)
 
     def head_patterns(self, n: int) -> Array:
-        stride = default_stride(n) if self.stride is None else self.stride
-        if stride < 1:
-            raise ValueError(f"model.attention_options.stride must be >= 1, got {stride}")
-        a, b = strided_pattern(n, stride, self.causal)
+        a, b = strided_pattern(n, self.resolved_stride(n), self.causal)
         return split_heads(a, b, self.num_heads)
 
 
@@ -171,27 +210,46 @@ class SparseFixedAttention(_PatternAttention):
 
     Options: ``stride`` (l; None = round(sqrt(n))), ``c`` (summary cells per block;
     None = max(1, l // 8), so c = 16 for l = 128 and 32 for l = 256, within the paper's
-    range; clipped to l), ``causal``, ``distinct_summaries`` (B heads use distinct
-    subblocks of c cells, the paper's preferred multi-head variant).
+    range; at most l), ``causal``, ``distinct_summaries`` (B heads use distinct
+    subblocks of c cells, the paper's preferred multi-head variant), ``impl``
+    ("blocked", default, O(n sqrt n) for a fixed c; "mask", the dense-mask reference).
     """
 
-    stride: int | None = None
     c: int | None = None
-    causal: bool = False
     distinct_summaries: bool = False
 
-    def head_patterns(self, n: int) -> Array:
-        stride = default_stride(n) if self.stride is None else self.stride
-        if stride < 1:
-            raise ValueError(f"model.attention_options.stride must be >= 1, got {stride}")
+    def __post_init__(self) -> None:
+        if self.c is not None and self.c < 1:
+            raise ValueError(f"model.attention_options.c must be >= 1, got {self.c}")
+        if self.c is not None and self.stride is not None and self.c > self.stride:
+            raise ValueError(
+                f"model.attention_options.c must be in [1, stride={self.stride}], got {self.c}"
+            )
+        super().__post_init__()
+
+    def resolved_c(self, stride: int) -> int:
+        """Summary cells per block for stride l (``c`` or ``max(1, l // 8)``)."""
         if self.c is None:
-            c = max(1, stride // 8)
-        elif not 1 <= self.c <= stride:
+            return max(1, stride // 8)
+        if not 1 <= self.c <= stride:
             raise ValueError(
                 f"model.attention_options.c must be in [1, stride={stride}], got {self.c}"
             )
-        else:
-            c = self.c
+        return self.c
+
+    def blocked_options(self, n: int) -> dict[str, Any]:
+        stride = self.resolved_stride(n)
+        return dict(
+            kind="fixed",
+            stride=stride,
+            c=self.resolved_c(stride),
+            causal=self.causal,
+            distinct_summaries=self.distinct_summaries,
+        )
+
+    def head_patterns(self, n: int) -> Array:
+        stride = self.resolved_stride(n)
+        c = self.resolved_c(stride)
         num_b = self.num_heads // 2 if self.distinct_summaries else 1
         patterns = [
             fixed_pattern(n, stride, c, self.causal, summary_offset=(h * c) % stride)
