@@ -15,8 +15,8 @@ beyond its arguments and outputs. A layer whose compiled footprint exceeds
 
 Layers (default options unless named): ``full``; ``sparse_strided`` and
 ``sparse_fixed`` with ``impl="blocked"`` (the default; stride l = round(sqrt(n)),
-fixed c = max(1, l // 8)), bidirectional and causal; ``sparse_fixed`` with c = 8
-(constant c, the paper's smallest); and the dense-mask reference ``impl="mask"`` of
+fixed c = max(1, min(8, l // 8)), i.e. 8 from l = 64 on), bidirectional and causal;
+``sparse_fixed`` with c = 8 given explicitly; and the dense-mask reference ``impl="mask"`` of
 both patterns.
 
 Usage::
@@ -50,6 +50,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sbm_jax.attention import get_attention  # noqa: E402
+from sbm_jax.attention.sparse_patterns import default_summary_cells  # noqa: E402
 
 GIB = 2**30
 TARGET_N, GROWTH_FROM, GROWTH_TO = 4096, 4096, 16384
@@ -93,7 +94,7 @@ def core_fwd_bwd(kind: str, n: int, c: int | None, chunk: int, b: int, h: int, d
     from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
 
     stride = max(1, round(n**0.5))
-    c = max(1, stride // 8) if c is None else c
+    c = default_summary_cells(stride) if c is None else c
     q, k, v, g = (
         jax.random.normal(key, (b, n, h, d)) for key in jax.random.split(jax.random.key(0), 4)
     )
@@ -290,7 +291,11 @@ def markdown(report: dict[str, Any]) -> str:
         full = _find(res, r["n"], "full")
         mask = _find(res, r["n"], r["layer"].split()[0] + " mask") if r["name"] != "full" else None
         stride = round(r["n"] ** 0.5) if r["name"] != "full" else None
-        c = r["options"].get("c", max(1, stride // 8)) if r["name"] == "sparse_fixed" else None
+        c = (
+            r["options"].get("c", default_summary_cells(stride))
+            if r["name"] == "sparse_fixed"
+            else None
+        )
         lines.append(
             f"| {r['n']} | {r['layer']} | {stride or '-'} | {c or '-'} "
             f"| {_fmt(r.get('median_s', 0) * 1e3 if 'median_s' in r else None, '.1f')} "

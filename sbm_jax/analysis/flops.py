@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbm_jax.attention import available, build_attention, get_attention
+from sbm_jax.attention.sparse_patterns import default_summary_cells
 from sbm_jax.layers.tt import tt_core_shapes, tt_modes, tt_ranks
 
 SOFTMAX = 5.0  # FLOPs per softmax entry: max, subtract, exp, sum, divide
@@ -197,7 +198,7 @@ def pattern_edges(
         a_count, b_counts = int(a.sum()), [int(b.sum())]
         union = int((a + b - ab).sum())
     else:
-        c = max(1, stride // 8) if c is None else int(c)
+        c = default_summary_cells(stride) if c is None else int(c)
         if not 1 <= c <= stride:
             raise ValueError(f"c={c} must be in [1, stride={stride}]")
         start = (i // stride) * stride

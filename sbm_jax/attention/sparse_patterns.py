@@ -204,14 +204,28 @@ class SparseStridedAttention(_PatternAttention):
         return split_heads(a, b, self.num_heads)
 
 
+MAX_DEFAULT_SUMMARY_CELLS = 8
+
+
+def default_summary_cells(stride: int) -> int:
+    """Default ``c`` of ``sparse_fixed`` for stride ``l``: ``max(1, min(8, l // 8))``.
+
+    Constant (8, the paper's example with l = 128) once l >= 64, so the B head's keys per
+    query, ``c n / l``, grow as sqrt(n) like the rest of the pattern; a c growing with l
+    (e.g. l // 8) would give every query n / 8 keys, quadratic in n. Short strides get
+    l // 8 so the summary never fills the block.
+    """
+    return max(1, min(MAX_DEFAULT_SUMMARY_CELLS, stride // 8))
+
+
 @register("sparse_fixed")
 class SparseFixedAttention(_PatternAttention):
     """Sparse Transformer fixed attention.
 
     Options: ``stride`` (l; None = round(sqrt(n))), ``c`` (summary cells per block;
-    None = max(1, l // 8), so c = 16 for l = 128 and 32 for l = 256, within the paper's
-    range; at most l), ``causal``, ``distinct_summaries`` (B heads use distinct
-    subblocks of c cells, the paper's preferred multi-head variant), ``impl``
+    None = :func:`default_summary_cells`: 8 for every l >= 64, the paper's example of
+    l = 128 with c = 8, so the cost stays O(n sqrt n); at most l), ``causal``,
+    ``distinct_summaries`` (B heads use distinct subblocks of c cells, the paper's preferred multi-head variant), ``impl``
     ("blocked", default, O(n sqrt n) for a fixed c; "mask", the dense-mask reference).
     """
 
@@ -228,9 +242,9 @@ class SparseFixedAttention(_PatternAttention):
         super().__post_init__()
 
     def resolved_c(self, stride: int) -> int:
-        """Summary cells per block for stride l (``c`` or ``max(1, l // 8)``)."""
+        """Summary cells per block for stride l (``c`` or :func:`default_summary_cells`)."""
         if self.c is None:
-            return max(1, stride // 8)
+            return default_summary_cells(stride)
         if not 1 <= self.c <= stride:
             raise ValueError(
                 f"model.attention_options.c must be in [1, stride={stride}], got {self.c}"
