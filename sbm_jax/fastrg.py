@@ -319,14 +319,23 @@ def edge_probs_straight_through(
     ``k`` columns, streamed in chunks of :data:`EDGE_PROB_CHUNK` slots, instead of the
     ``[C, k]`` gathered tensors that autodiff of :func:`edge_probs` keeps.
     """
-    del ys, z, rows, cols
-    return valid.astype(jnp.float32)
+    del rows, cols
+    return _ste_ones(ys, z, valid)
+
+
+def _ste_ones(ys, z, valid):
+    # 1 on valid slots. The output depends on ``valid`` *and* on ``ys`` and ``z`` (times
+    # zero), so that under vmap it is batched whenever any of them is: a constant, or an
+    # output batched only like a shared edge list, would be unbatched while the graphs
+    # are not, and its cotangent would arrive summed over the mapped axis (every graph
+    # getting all graphs' gradients).
+    t = jax.lax.stop_gradient(ys[0, 0] + z[0, 0]).astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(t), 0.0 * t, 0.0)  # exactly 0, even for a NaN input
+    return valid.astype(jnp.float32) + zero
 
 
 def _probs_ste_fwd(ys, z, rows, cols, valid):
-    # The output depends on ``valid`` so that under vmap it is batched like the edges: a
-    # constant output would be unbatched and its cotangent summed over the batch.
-    return valid.astype(jnp.float32), (ys, z, rows, cols, valid)
+    return _ste_ones(ys, z, valid), (ys, z, rows, cols, valid)
 
 
 def _probs_ste_bwd(res, g):

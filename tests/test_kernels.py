@@ -235,14 +235,20 @@ def test_bad_arguments_are_named():
 
 
 def test_cost_model_marks_buckets_by_closed_form():
-    from sbm_jax.kernels.cost import SLOT_COST_IN_DENSE_SCORES, sparse_buckets_worth_it
+    from sbm_jax.kernels.cost import EDGE_COST, edge_cost, sparse_buckets_worth_it
 
     n = m = 1000
-    dense = n * m * (1 + 128 / 64)  # attention + the n m k probability matrix
-    per_slot = SLOT_COST_IN_DENSE_SCORES["rows"]
     caps = (n * m // 64, n * m // 16, n * m // 4, n * m)
-    got = sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="rows")
-    assert got == tuple(c * per_slot < dense for c in caps)
-    assert got[0] and not got[-1]
+    for backend in ("cpu", "gpu", "tpu"):
+        per_slot = EDGE_COST[backend]["rows"]
+        got = sparse_buckets_worth_it(caps, n, m, kernel="rows", backend=backend)
+        # A bucket runs sparse iff its slots cost less than the dense path's n*m pairs.
+        assert got == tuple(c * per_slot < n * m for c in caps)
+        assert got[0] and not got[-1]
+        assert edge_cost("rows", backend) == per_slot
+    # An explicit slot cost (SBMAttention.edge_cost) overrides the calibration.
+    got = sparse_buckets_worth_it(caps, n, m, kernel="rows", slot_cost=3.9)
+    assert got == (True, True, True, False)
+    assert edge_cost("rows", "some_new_backend") == EDGE_COST["gpu"]["rows"]
     with pytest.raises(ValueError, match="kernel='nope'"):
-        sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="nope")
+        sparse_buckets_worth_it(caps, n, m, kernel="nope", backend="cpu")

@@ -334,12 +334,46 @@ def _core_case(seed: int = 0):
     return q, k, v, qm, blk, km, g, wd
 
 
-def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, capacity, dense):
-    """Independent reference: per (example, head), dense ``p = Qhat S Khat^T`` and
-    ``dense_masked_attention`` on the graph the layer samples (same rng derivation)."""
-    from sbm_jax.edge_ops import dense_masked_attention
-    from sbm_jax.fastrg import sample_dense_mask, sample_from_plan
+def _reference_mask_sample(mask):
+    """The released code's ``SampleGraphSparseGraph`` on a given mask: the forward pass is
+    the (already drawn) binary mask, the backward pass ``hardtanh(M * dL/dM)`` to p."""
+    m = jnp.asarray(mask, jnp.float32)
 
+    @jax.custom_vjp
+    def sample(p):
+        del p
+        return m
+
+    sample.defvjp(lambda p: (m, None), lambda _, ct: (jnp.clip(m * ct, -1.0, 1.0),))
+    return sample
+
+
+def _reference_attention(q, k, v, p, mask, key_mask):
+    """The released code's attention (``attention_sbm.py``, dense branch), in jax:
+    softmax over the real keys, times the sampled mask, L1-renormalised (eps 1e-12);
+    returns the output and the mask value (for the density, inside the same backward)."""
+    graph = _reference_mask_sample(mask)(p)
+    dot = (q @ k.T) / np.sqrt(q.shape[-1])
+    dot = jnp.where(jnp.asarray(key_mask)[None, :], dot, -jnp.inf)
+    attn = jax.nn.softmax(dot, axis=-1) * graph
+    attn = attn / jnp.maximum(jnp.sum(jnp.abs(attn), axis=-1, keepdims=True), 1e-12)
+    return attn @ v, graph
+
+
+def _same_graphs_dense_loss(
+    rng, q, k, v, qm, blk, km, g, wd, *, law, delta, capacity, dense, ste="paper", forced=None
+):
+    """Independent reference: per (example, head), dense ``p = Qhat S Khat^T`` and dense
+    attention on the graph the layer samples (same rng derivation). ``ste="paper"``:
+    eq. 9 through ``dense_masked_attention``; ``"reference"``: the released code's
+    post-softmax mask with its clipped backward (:func:`_reference_attention`).
+    ``forced``: ``(self_loops, window)`` of the forced edges."""
+    from sbm_jax.edge_ops import dense_masked_attention
+    from sbm_jax.fastrg import sample_from_plan
+    from sbm_jax.kernels.dense import streamed_mask
+
+    self_loops, window = forced if forced is not None else (False, 0)
+    half = window // 2 if window > 0 else (0 if self_loops else None)
     batch, heads = q.shape[:2]
     k_count, k_sample = jax.random.split(rng)
     keys = jax.random.split(k_sample, (batch, heads))
@@ -353,9 +387,13 @@ def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, cap
     counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
 
     def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
-        if dense:
-            return sample_dense_mask(key, dense_probs(plan), delta, q_mask, q_mask, law)
-        e = sample_from_plan(key, plan, count, capacity=capacity, law=law)
+        if dense:  # the streamed dense path's mask (sbm_jax.kernels.dense)
+            kc = plan.ys.shape[1]
+            return streamed_mask(
+                key, plan.ys, plan.z[:, :kc], q_mask, q_mask, delta, law=law, forced_half=half
+            )
+        fk = forced_edge_keys(q_mask, q_mask, self_loops=self_loops, window=window)
+        e = sample_from_plan(key, plan, count, capacity=capacity, law=law, forced_keys=fk)
         return jnp.zeros((L, L), bool).at[e.rows, e.cols].max(e.valid)
 
     masks = np.asarray(
@@ -372,10 +410,17 @@ def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, cap
                 mq = qm[b, hh] * real_mask[b][:, None]
                 mk = km[b, hh] * real_mask[b][:, None]
                 p = mq @ blk[hh] @ mk.T
-                scale = 1.0 + (p - jax.lax.stop_gradient(p))  # eq. 9, per pair
                 mask = jnp.asarray(masks[b, hh])
-                out = dense_masked_attention(q[b, hh], k[b, hh], v[b, hh], mask, scale=scale)
-                density = jnp.sum(jnp.where(mask, scale, 0.0)) / real.sum()
+                if ste == "paper":
+                    scale = 1.0 + (p - jax.lax.stop_gradient(p))  # eq. 9, per pair
+                    out = dense_masked_attention(q[b, hh], k[b, hh], v[b, hh], mask, scale=scale)
+                    edges = jnp.sum(jnp.where(mask, scale, 0.0))
+                else:
+                    out, m_val = _reference_attention(
+                        q[b, hh], k[b, hh], v[b, hh], p, masks[b, hh], real_mask[b]
+                    )
+                    edges = jnp.sum(m_val)
+                density = edges / real.sum()
                 total = total + jnp.sum(out * g[b, hh]) + wd[b, hh] * density
         return total
 
@@ -383,26 +428,46 @@ def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, cap
 
 
 @pytest.mark.parametrize(
-    "law, kernel, per_step, impl",
+    "law, kernel, per_step, impl, ste, forced",
     [
-        ("bernoulli", "rows", 1, "sparse"),
+        ("bernoulli", "rows", 1, "sparse", "paper", None),
         # vmap over heads (the accelerator path); the STE's vmap is also checked in
         # tests/test_fastrg.py, so this compile-heavy case runs with the slow tests.
-        pytest.param("poisson", "segment", None, "sparse", marks=pytest.mark.slow),
-        ("bernoulli", "segment", None, "dense"),
+        pytest.param("poisson", "segment", None, "sparse", "paper", None, marks=pytest.mark.slow),
+        ("bernoulli", "segment", None, "dense", "paper", None),
+        ("poisson", "rows", 1, "dense", "paper", (True, 0)),
+        # The released code's estimator (issue 15) on every path.
+        ("bernoulli", "rows", 1, "sparse", "reference", None),
+        pytest.param(
+            "bernoulli", "segment", None, "sparse", "reference", (True, 0), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "bernoulli", "rows", None, "sparse", "reference", (False, 4), marks=pytest.mark.slow
+        ),
+        ("bernoulli", "rows", 1, "dense", "reference", None),
+        ("bernoulli", "rows", None, "dense", "reference", (False, 4)),
     ],
 )
-def test_core_gradients_match_dense_reference_per_head(monkeypatch, law, kernel, per_step, impl):
+def test_core_gradients_match_dense_reference_per_head(
+    monkeypatch, law, kernel, per_step, impl, ste, forced
+):
     # The whole core (plan, fastRG, STE of p via SpMMs, kernel, density) under grad, with
     # B*H = 4 graphs: every head's gradient must be its own (no sum over heads), heads
     # processed all at once (vmap) or one at a time (lax.map), the sparse path saving
-    # only the edge keys for its backward pass.
+    # only the edge keys for its backward pass. The reference estimator's cases zero two
+    # query rows' memberships with delta = 0 (empty rows) and scale the cotangents up so
+    # that the clip to [-1, 1] is active on many edges.
     import sbm_jax.attention.sbm as sbm_mod
 
     monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: per_step)
     q, k, v, qm, blk, km, g, wd = _core_case()
-    rng, delta, buckets = jax.random.PRNGKey(3), 0.05, (0.5,)
+    delta = 0.05
+    if ste == "reference":
+        qm = qm.at[:, :, jnp.array([2, 9])].set(0.0)
+        delta, g, wd = 0.0, 10.0 * g, 40.0 * wd
+    rng, buckets = jax.random.PRNGKey(3), (0.5,)
     cap = bucket_capacities(buckets, L, L)[0]
+    self_loops, window = forced if forced is not None else (False, 0)
 
     def core_loss(q, k, v, qm, blk, km):
         out, st = sbm_attention_core(
@@ -419,20 +484,36 @@ def test_core_gradients_match_dense_reference_per_head(monkeypatch, law, kernel,
             capacity_buckets=buckets,
             impl=impl,
             kernel=kernel,
+            self_loops=self_loops,
+            window=window,
             max_dense_elements=2**31 if impl == "dense" else 1,
+            ste=ste,
         )
-        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), st
+        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), (st, out)
 
     args = (q, k, v, qm, blk, km)
-    (val, st), grads = jax.jit(
+    (val, (st, out)), grads = jax.jit(
         jax.value_and_grad(core_loss, argnums=tuple(range(6)), has_aux=True)
     )(*args)
     ref_loss, masks = _same_graphs_dense_loss(
-        rng, *args, g, wd, law=law, delta=delta, capacity=cap, dense=impl == "dense"
+        rng,
+        *args,
+        g,
+        wd,
+        law=law,
+        delta=delta,
+        capacity=cap,
+        dense=impl == "dense",
+        ste=ste,
+        forced=forced,
     )
     assert int(st["path"]) == (1 if impl == "dense" else 0)
     assert not np.asarray(st["overflow"]).any()
     np.testing.assert_array_equal(st["edges"], masks.sum((2, 3)))  # the same graphs
+    empty = ~masks.any(-1)  # [B, H, L]: padded rows, and the zeroed rows without forced edges
+    assert np.all(np.asarray(out)[empty] == 0.0), "rows without an edge output exactly 0"
+    if ste == "reference" and forced is None:
+        assert empty[:, :, [2, 9]].all() and empty.sum() > 2 * 4 * 2
     ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(6))))(*args)
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     for name, a, b in zip(
