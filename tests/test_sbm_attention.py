@@ -402,8 +402,8 @@ def _same_graphs_dense_loss(
 
     real_mask = np.asarray(MASK)  # numpy: the loss below is traced under jit
 
-    def loss(q, k, v, qm, blk, km):
-        total = 0.0
+    def heads_fn(q, k, v, qm, blk, km):  # -> out [B, H, L, d], density [B, H]
+        outs, dens = [], []
         for b in range(batch):
             real = np.outer(real_mask[b], real_mask[b])
             for hh in range(heads):
@@ -420,10 +420,16 @@ def _same_graphs_dense_loss(
                         q[b, hh], k[b, hh], v[b, hh], p, masks[b, hh], real_mask[b]
                     )
                     edges = jnp.sum(m_val)
-                density = edges / real.sum()
-                total = total + jnp.sum(out * g[b, hh]) + wd[b, hh] * density
-        return total
+                outs.append(out)
+                dens.append(edges / real.sum())
+        shape = (batch, heads)
+        return jnp.stack(outs).reshape(*shape, *outs[0].shape), jnp.stack(dens).reshape(shape)
 
+    def loss(q, k, v, qm, blk, km):
+        out, density = heads_fn(q, k, v, qm, blk, km)
+        return jnp.sum(out * g) + jnp.sum(wd * density)
+
+    loss.heads_fn = heads_fn
     return loss, masks
 
 
@@ -548,3 +554,89 @@ def test_backward_pass_does_not_rerun_fastrg():
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, qm).as_text()
     assert hlo.count("stablehlo.sort") == len(buckets)
+
+
+def _projections(params, x):
+    """The layer's q, k, v ``[B, H, L, hd]`` and memberships, block, recomputed from its
+    parameters (eqs. 5-7), as :func:`_memberships` does."""
+    p = params
+    proj = {
+        name: jnp.einsum("bld,dhe->bhle", x, p[name]["kernel"]) + p[name]["bias"][None, :, None, :]
+        for name in ("query", "key", "value")
+    }
+    qm, s, km = _memberships(None, params, x)
+    return proj["query"], proj["key"], proj["value"], qm, s, km
+
+
+@pytest.mark.parametrize("impl", ["dense", pytest.param("sparse", marks=pytest.mark.slow)])
+def test_layer_reference_estimator_matches_the_released_code_per_parameter(monkeypatch, impl):
+    # SBMAttention(ste="reference") against the released code written out in this file
+    # (_reference_attention: softmax over real keys, times the mask, L1-renormalised,
+    # hardtanh backward, density inside it), composed with the layer's projections:
+    # forward and every parameter's gradient, with padding (example 1's padded rows have
+    # no edge). Real rows without an edge are covered by the core test above.
+    import sbm_jax.attention.sbm as sbm_mod
+
+    seen = {}
+    core = sbm_mod.sbm_attention_core
+
+    def spy(rng, *args, **kwargs):  # the layer's sample key, to rebuild its graphs
+        seen["rng"] = rng
+        return core(rng, *args, **kwargs)
+
+    monkeypatch.setattr(sbm_mod, "sbm_attention_core", spy)
+    mod = _module(impl=impl, ste="reference", delta=0.0)
+    x = _x(6)
+    params = _init(mod, x)
+    big = jax.random.normal(jax.random.PRNGKey(11), (B, L, D)) * 8.0  # clip active
+    wd = 50.0
+
+    def loss(params):
+        y, st = mod.apply(
+            {"params": params},
+            x,
+            MASK,
+            deterministic=False,
+            rngs={"sample": jax.random.PRNGKey(12)},
+            mutable=[STATS_COLLECTION],
+        )
+        st = st[STATS_COLLECTION]
+        return jnp.sum(y * big) + wd * jnp.mean(st["density"][0]), (y, st)
+
+    (val, (y, st)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    assert int(st["path"][0]) == (1 if impl == "dense" else 0)
+    q, k, v, qm, s, km = _projections(params, x)
+    ref_loss, masks = _same_graphs_dense_loss(
+        seen["rng"],
+        q,
+        k,
+        v,
+        qm,
+        s,
+        km,
+        None,
+        None,
+        law="bernoulli",
+        delta=0.0,
+        capacity=bucket_capacities((0.5,), L, L)[0],
+        dense=impl == "dense",
+        ste="reference",
+    )
+    np.testing.assert_array_equal(st["edges"][0], masks.sum((2, 3)))
+
+    def ref(params):
+        q, k, v, qm, s, km = _projections(params, x)
+        out, density = ref_loss.heads_fn(q, k, v, qm, s, km)
+        y = jnp.einsum("bhld,hdo->blo", out, params["out"]["kernel"]) + params["out"]["bias"]
+        return jnp.sum(y * big) + wd * jnp.mean(density), y
+
+    (ref_val, ref_y), ref_grads = jax.value_and_grad(ref, has_aux=True)(params)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(grads):
+        b = ref_grads
+        for key in path:
+            b = b[key.key]
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=str(path))
+    for name in ("clusters", "mlp_w1", "mlp_w2", "query", "key", "value"):
+        assert any(np.abs(np.asarray(t)).sum() > 0 for t in jax.tree.leaves(grads[name])), name

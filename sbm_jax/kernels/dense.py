@@ -99,12 +99,16 @@ def block_mask(
     rate = p + delta
     prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
     u = jax.random.uniform(jax.random.fold_in(key, block), (bq, m))
-    real = qm_b[:, None] & k_mask[None, :]
-    mask = (u < prob) & real
+    mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
     if cfg.forced_half >= 0:
-        rows = block * bq + jnp.arange(bq)
-        dist = jnp.abs(rows[:, None] - jnp.arange(m)[None, :])
-        mask = mask | ((dist <= cfg.forced_half) & real)
+        # Padded tokens get far-apart positions, so no forced pair touches them. Every
+        # [bq, m] value here depends on the (per-graph) masks: under an outer loop over
+        # graphs, a tile computed from the block index alone is loop-invariant, and JAX
+        # would hoist it out of the loop stacked over all blocks (an n x m array).
+        far = 2**29
+        rows = jnp.where(qm_b, block * bq + jnp.arange(bq), -far)
+        cols = jnp.where(k_mask, jnp.arange(m), far)
+        mask = mask | (jnp.abs(rows[:, None] - cols[None, :]) <= cfg.forced_half)
     return mask
 
 
