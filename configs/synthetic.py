@@ -48,6 +48,7 @@ def sbm_options(edge_law: str) -> ml_collections.ConfigDict:
     options.dense_below = 128 * 128  # "auto" takes the dense path when length**2 <= this
     options.edge_cost = 8.0  # "auto": skip buckets whose edges x edge_cost >= length**2
     options.cluster_init = "paper"  # C init: "paper" (fan-in d_h) or "reference" (fan-in k*d_h)
+    options.ste = "paper"  # mask estimator: "paper" (eq. 9) or "reference" (released code, clipped)
     return options
 
 
