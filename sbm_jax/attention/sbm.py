@@ -139,6 +139,7 @@ def _sparse_head(
     )
     keys = checkpoint_name(keys, "sbm_edge_keys")
     edges = edges_from_keys(keys, n, m)
+    real = _real_pairs(plan.q_mask, plan.k_mask)
     # M_ste = straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z;
     # the released code's estimator clips its cotangent (attention + density) first.
     m_ste = edge_probs_straight_through(plan.ys, plan.z, edges.rows, edges.cols, edges.valid)
@@ -154,7 +155,7 @@ def _sparse_head(
         dropout_rng=drop_key,
         impl=kernel,
     )
-    density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
+    density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / real
     return out, density, edges.num_edges, jnp.sum(count) > capacity
 
 

@@ -145,6 +145,24 @@ def _local_rows(row_b: jax.Array, vb: int):
     return first, row_b - first
 
 
+def _live_blocks(blocks: RowBlocks, vb: int) -> jax.Array:
+    """Number of leading blocks that hold a valid slot (the rest add nothing): the loops
+    run over these only, so the work follows the sampled edges, not the capacity."""
+    vidx = jnp.arange(blocks.length.shape[0], dtype=jnp.int32)
+    last = jnp.max(jnp.where(blocks.length > 0, vidx, -1))
+    return (last + vb) // vb
+
+
+def _for_blocks(blocks: RowBlocks, vb: int, body, init):
+    """``body(carry, (row_b, start_b, len_b))`` over the live blocks, in order."""
+
+    def step(i, carry):
+        sl = lambda a: jax.lax.dynamic_slice(a, (i * vb,), (vb,))  # noqa: E731
+        return body(carry, (sl(blocks.row), sl(blocks.start), sl(blocks.length)))
+
+    return jax.lax.fori_loop(0, _live_blocks(blocks, vb), step, init)
+
+
 def _forward(cfg, q, k, v, scale, bias, z, cols, blocks):
     n, dv = q.shape[0], v.shape[-1]
     vb = cfg.block_rows
@@ -177,20 +195,77 @@ def _forward(cfg, q, k, v, scale, bias, z, cols, blocks):
         row_max = jax.lax.dynamic_update_slice(row_max, new_max, (first,))
         denom = jax.lax.dynamic_update_slice(denom, new_den, (first,))
         acc = jax.lax.dynamic_update_slice(acc, new_acc, (first, 0))
-        return (row_max, denom, acc), None
+        return row_max, denom, acc
 
-    xs = (_blocked(blocks.row, vb), _blocked(blocks.start, vb), _blocked(blocks.length, vb))
     init = (
         jnp.full((n + vb,), -jnp.inf, jnp.float32),
         jnp.zeros((n + vb,), jnp.float32),
         jnp.zeros((n + vb, dv), jnp.float32),
     )
-    (row_max, denom, acc), _ = jax.lax.scan(block, init, xs)
+    row_max, denom, acc = _for_blocks(blocks, vb, block, init)
     row_max, denom, acc = row_max[:n], denom[:n], acc[:n]
     has = denom > 0
     out = (acc / jnp.where(has, denom, 1.0)[:, None]).astype(v.dtype)
     lse = jnp.where(has, row_max + jnp.log(jnp.where(has, denom, 1.0)), 0.0)
     return out, lse
+
+
+def _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout):
+    """Gradients in a loop over the live blocks: ``{"dq", "dk", "dv"}`` and, when the
+    kernel has them, ``"dscale"`` and ``"dbias"`` (``[C]``)."""
+    n, d = q.shape
+    vb = cfg.block_rows
+    inv = 1.0 / math.sqrt(d)
+    f32 = jnp.float32
+    dout = dout.astype(f32)
+    big_d = jnp.sum(dout * out.astype(f32), axis=-1)  # [n]
+    seg_sum = partial(jax.ops.segment_sum, num_segments=vb, indices_are_sorted=True)
+
+    def window_add(acc, first, rows_b):
+        old = jax.lax.dynamic_slice(acc, (first, 0), (vb, acc.shape[1]))
+        return jax.lax.dynamic_update_slice(acc, old + rows_b, (first, 0))
+
+    def block(carry, xs):
+        row_b, start_b, len_b = xs
+        slots, ok, c, qb, kb, s, a = _scores(cfg, q, k, scale, bias, cols, row_b, start_b, len_b)
+        w = jnp.where(ok, jnp.exp(a - lse.at[row_b].get(mode="promise_in_bounds")[:, None]), 0.0)
+        dob = dout.at[row_b].get(mode="promise_in_bounds")  # [Vb, dv]
+        vals = v.at[c].get(mode="promise_in_bounds").astype(f32)
+        dp = jnp.einsum("vd,vrd->vr", dob, vals)
+        if cfg.has_dropout:
+            zb = z.at[slots].get(mode="promise_in_bounds")
+            dp, wz = dp * zb, w * zb
+        else:
+            wz = w
+        da = w * (dp - big_d.at[row_b].get(mode="promise_in_bounds")[:, None])
+        carry = dict(carry)
+        if cfg.has_scale:
+            ds = da * scale.at[slots].get(mode="promise_in_bounds") * inv
+            carry["dscale"] = carry["dscale"].at[slots].add(jnp.where(ok, da * s, 0.0))
+        else:
+            ds = da * inv
+        if cfg.has_bias:
+            carry["dbias"] = carry["dbias"].at[slots].add(jnp.where(ok, da, 0.0))
+        first, local = _local_rows(row_b, vb)
+        carry["dq"] = window_add(
+            carry["dq"], first, seg_sum(jnp.einsum("vr,vrd->vd", ds, kb), local)
+        )
+        carry["dk"] = carry["dk"].at[c].add(ds[:, :, None] * qb[:, None, :])
+        carry["dv"] = carry["dv"].at[c].add(wz[:, :, None] * dob[:, None, :])
+        return carry
+
+    init = {
+        "dq": jnp.zeros((n + vb, d), f32),
+        "dk": jnp.zeros(k.shape, f32),
+        "dv": jnp.zeros(v.shape, f32),
+    }
+    if cfg.has_scale:
+        init["dscale"] = jnp.zeros_like(scale)
+    if cfg.has_bias:
+        init["dbias"] = jnp.zeros_like(bias)
+    grads = _for_blocks(blocks, vb, block, init)
+    grads["dq"] = grads["dq"][:n]
+    return grads
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -208,60 +283,14 @@ def _rows_fwd(cfg, q, k, v, scale, bias, z, cols, blocks):
 
 def _rows_bwd(cfg, res, dout):
     q, k, v, scale, bias, z, cols, blocks, out, lse = res
-    n, d = q.shape
-    vb = cfg.block_rows
-    inv = 1.0 / math.sqrt(d)
-    dout = dout.astype(jnp.float32)
-    big_d = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [n]
-
-    seg_sum = partial(jax.ops.segment_sum, num_segments=vb, indices_are_sorted=True)
-
-    def block(carry, xs):
-        dq, dk, dv, dscale, dbias = carry
-        row_b, start_b, len_b = xs
-        slots, ok, c, qb, kb, s, a = _scores(cfg, q, k, scale, bias, cols, row_b, start_b, len_b)
-        w = jnp.where(ok, jnp.exp(a - lse.at[row_b].get(mode="promise_in_bounds")[:, None]), 0.0)
-        dob = dout.at[row_b].get(mode="promise_in_bounds")  # [Vb, dv]
-        vals = v.at[c].get(mode="promise_in_bounds").astype(jnp.float32)
-        dp = jnp.einsum("vd,vrd->vr", dob, vals)
-        if cfg.has_dropout:
-            zb = z.at[slots].get(mode="promise_in_bounds")
-            dp, wz = dp * zb, w * zb
-        else:
-            wz = w
-        da = w * (dp - big_d.at[row_b].get(mode="promise_in_bounds")[:, None])
-        if cfg.has_scale:
-            ds = da * scale.at[slots].get(mode="promise_in_bounds") * inv
-            dscale = dscale.at[slots].add(jnp.where(ok, da * s, 0.0))
-        else:
-            ds = da * inv
-        if cfg.has_bias:
-            dbias = dbias.at[slots].add(jnp.where(ok, da, 0.0))
-        first, local = _local_rows(row_b, vb)
-        dq_b = seg_sum(jnp.einsum("vr,vrd->vd", ds, kb), local)
-        dq_old = jax.lax.dynamic_slice(dq, (first, 0), (vb, d))
-        dq = jax.lax.dynamic_update_slice(dq, dq_old + dq_b, (first, 0))
-        dk = dk.at[c].add(ds[:, :, None] * qb[:, None, :])
-        dv = dv.at[c].add(wz[:, :, None] * dob[:, None, :])
-        return (dq, dk, dv, dscale, dbias), None
-
-    xs = (_blocked(blocks.row, vb), _blocked(blocks.start, vb), _blocked(blocks.length, vb))
-    init = (
-        jnp.zeros((n + vb, d), jnp.float32),
-        jnp.zeros(k.shape, jnp.float32),
-        jnp.zeros(v.shape, jnp.float32),
-        jnp.zeros_like(scale),
-        jnp.zeros_like(bias),
-    )
-    (dq, dk, dv, dscale, dbias), _ = jax.lax.scan(block, init, xs)
-    dq = dq[:n]
+    g = _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout)
     zero_ints = jax.tree.map(lambda _: None, (cols, blocks))
     return (
-        dq.astype(q.dtype),
-        dk.astype(k.dtype),
-        dv.astype(v.dtype),
-        dscale if cfg.has_scale else jnp.zeros_like(scale),
-        dbias if cfg.has_bias else jnp.zeros_like(bias),
+        g["dq"].astype(q.dtype),
+        g["dk"].astype(k.dtype),
+        g["dv"].astype(v.dtype),
+        g["dscale"] if cfg.has_scale else jnp.zeros_like(scale),
+        g["dbias"] if cfg.has_bias else jnp.zeros_like(bias),
         jnp.zeros_like(z),
         *zero_ints,
     )
