@@ -15,6 +15,7 @@ from sbm_jax.attention.sbm import (
     sbm_attention_core,
 )
 from sbm_jax.fastrg import dense_probs, make_plan
+from tests.sbm_testing import same_graphs_dense_loss
 
 B, L, D = 2, 16, 8
 MASK = jnp.arange(L)[None, :] < jnp.array([[16], [11]])
@@ -334,105 +335,6 @@ def _core_case(seed: int = 0):
     return q, k, v, qm, blk, km, g, wd
 
 
-def _reference_mask_sample(mask):
-    """The released code's ``SampleGraphSparseGraph`` on a given mask: the forward pass is
-    the (already drawn) binary mask, the backward pass ``hardtanh(M * dL/dM)`` to p."""
-    m = jnp.asarray(mask, jnp.float32)
-
-    @jax.custom_vjp
-    def sample(p):
-        del p
-        return m
-
-    sample.defvjp(lambda p: (m, None), lambda _, ct: (jnp.clip(m * ct, -1.0, 1.0),))
-    return sample
-
-
-def _reference_attention(q, k, v, p, mask, key_mask):
-    """The released code's attention (``attention_sbm.py``, dense branch), in jax:
-    softmax over the real keys, times the sampled mask, L1-renormalised (eps 1e-12);
-    returns the output and the mask value (for the density, inside the same backward)."""
-    graph = _reference_mask_sample(mask)(p)
-    dot = (q @ k.T) / np.sqrt(q.shape[-1])
-    dot = jnp.where(jnp.asarray(key_mask)[None, :], dot, -jnp.inf)
-    attn = jax.nn.softmax(dot, axis=-1) * graph
-    attn = attn / jnp.maximum(jnp.sum(jnp.abs(attn), axis=-1, keepdims=True), 1e-12)
-    return attn @ v, graph
-
-
-def _same_graphs_dense_loss(
-    rng, q, k, v, qm, blk, km, g, wd, *, law, delta, capacity, dense, ste="paper", forced=None
-):
-    """Independent reference: per (example, head), dense ``p = Qhat S Khat^T`` and dense
-    attention on the graph the layer samples (same rng derivation). ``ste="paper"``:
-    eq. 9 through ``dense_masked_attention``; ``"reference"``: the released code's
-    post-softmax mask with its clipped backward (:func:`_reference_attention`).
-    ``forced``: ``(self_loops, window)`` of the forced edges."""
-    from sbm_jax.edge_ops import dense_masked_attention
-    from sbm_jax.fastrg import sample_from_plan
-    from sbm_jax.kernels.dense import streamed_mask
-
-    self_loops, window = forced if forced is not None else (False, 0)
-    half = window // 2 if window > 0 else (0 if self_loops else None)
-    batch, heads = q.shape[:2]
-    k_count, k_sample = jax.random.split(rng)
-    keys = jax.random.split(k_sample, (batch, heads))
-    plans = jax.vmap(
-        jax.vmap(
-            lambda a, s_, c, mk: make_plan(a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law),
-            in_axes=(0, 0, 0, None),
-        ),
-        in_axes=(0, None, 0, 0),
-    )(qm, blk, km, MASK)
-    counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
-
-    def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
-        if dense:  # the streamed dense path's mask (sbm_jax.kernels.dense)
-            kc = plan.ys.shape[1]
-            return streamed_mask(
-                key, plan.ys, plan.z[:, :kc], q_mask, q_mask, delta, law=law, forced_half=half
-            )
-        fk = forced_edge_keys(q_mask, q_mask, self_loops=self_loops, window=window)
-        e = sample_from_plan(key, plan, count, capacity=capacity, law=law, forced_keys=fk)
-        return jnp.zeros((L, L), bool).at[e.rows, e.cols].max(e.valid)
-
-    masks = np.asarray(
-        jax.jit(jax.vmap(jax.vmap(graph, in_axes=(0, 0, 0, None))))(keys, plans, counts, MASK)
-    )
-
-    real_mask = np.asarray(MASK)  # numpy: the loss below is traced under jit
-
-    def heads_fn(q, k, v, qm, blk, km):  # -> out [B, H, L, d], density [B, H]
-        outs, dens = [], []
-        for b in range(batch):
-            real = np.outer(real_mask[b], real_mask[b])
-            for hh in range(heads):
-                mq = qm[b, hh] * real_mask[b][:, None]
-                mk = km[b, hh] * real_mask[b][:, None]
-                p = mq @ blk[hh] @ mk.T
-                mask = jnp.asarray(masks[b, hh])
-                if ste == "paper":
-                    scale = 1.0 + (p - jax.lax.stop_gradient(p))  # eq. 9, per pair
-                    out = dense_masked_attention(q[b, hh], k[b, hh], v[b, hh], mask, scale=scale)
-                    edges = jnp.sum(jnp.where(mask, scale, 0.0))
-                else:
-                    out, m_val = _reference_attention(
-                        q[b, hh], k[b, hh], v[b, hh], p, masks[b, hh], real_mask[b]
-                    )
-                    edges = jnp.sum(m_val)
-                outs.append(out)
-                dens.append(edges / real.sum())
-        shape = (batch, heads)
-        return jnp.stack(outs).reshape(*shape, *outs[0].shape), jnp.stack(dens).reshape(shape)
-
-    def loss(q, k, v, qm, blk, km):
-        out, density = heads_fn(q, k, v, qm, blk, km)
-        return jnp.sum(out * g) + jnp.sum(wd * density)
-
-    loss.heads_fn = heads_fn
-    return loss, masks
-
-
 @pytest.mark.parametrize(
     "law, kernel, per_step, impl, ste, forced",
     [
@@ -501,7 +403,7 @@ def test_core_gradients_match_dense_reference_per_head(
     (val, (st, out)), grads = jax.jit(
         jax.value_and_grad(core_loss, argnums=tuple(range(6)), has_aux=True)
     )(*args)
-    ref_loss, masks = _same_graphs_dense_loss(
+    ref_loss, masks = same_graphs_dense_loss(
         rng,
         *args,
         g,
@@ -509,6 +411,7 @@ def test_core_gradients_match_dense_reference_per_head(
         law=law,
         delta=delta,
         capacity=cap,
+        mask=MASK,
         dense=impl == "dense",
         ste=ste,
         forced=forced,
@@ -606,7 +509,7 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
     (val, (y, st)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     assert int(st["path"][0]) == (1 if impl == "dense" else 0)
     q, k, v, qm, s, km = _projections(params, x)
-    ref_loss, masks = _same_graphs_dense_loss(
+    ref_loss, masks = same_graphs_dense_loss(
         seen["rng"],
         q,
         k,
@@ -619,6 +522,7 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
         law="bernoulli",
         delta=0.0,
         capacity=bucket_capacities((0.5,), L, L)[0],
+        mask=MASK,
         dense=impl == "dense",
         ste="reference",
     )
