@@ -368,6 +368,7 @@ def layer_workload(
     n: int,
     density: float,
     options: dict[str, Any] | None = None,
+    shift: float | None = None,
 ):
     """Return ``(fn, args, info)`` for a whole-layer fwd+bwd (SBM or full attention).
 
@@ -375,7 +376,8 @@ def layer_workload(
     the module's defaults unless ``options`` says otherwise, in training mode, with its
     membership logits shifted so that the sampled density is about ``density``.
     ``kind="full"``: the ``full`` layer (same projections, ``jax.nn.dot_product_attention``).
-    Gradients for all parameters and x.
+    Gradients for all parameters and x. ``shift``: use this membership shift instead of
+    finding it (``info["shift"]`` reports the one used).
     """
     from sbm_jax.attention import get_attention
 
@@ -393,9 +395,11 @@ def layer_workload(
     info: dict[str, Any] = {}
     if kind == "sbm":
         sig = (b, min(n, CALIBRATION_N), h, d, density, tuple(sorted((options or {}).items())))
-        if sig not in _SHIFTS:
+        if shift is None and sig not in _SHIFTS:
             _SHIFTS[sig] = density_shift(mod, params, b, n, d, density, ks)
-        params = _shifted(params, _SHIFTS[sig], d)
+        shift = _SHIFTS[sig] if shift is None else shift
+        params = _shifted(params, shift, d)
+        info["shift"] = shift
         stats = stats_fn(mod, mask, ks)(params, x)
         stats["sampled_density"] = stats.pop("density")
         info.update(stats)
@@ -440,31 +444,41 @@ def lra_step_workload(mechanism: str, n: int, batch: int):
     return step, (state, data), info
 
 
-def calibrate_edge_cost(b: int, h: int, d: int, n: int, density: float, **kw) -> dict[str, Any]:
+def calibrate_edge_cost(
+    b: int, h: int, d: int, n: int, density: float, kernels: Sequence[str], **kw
+) -> dict[str, Any]:
     """Measure the cost model's slot cost (``sbm_jax.kernels.cost.EDGE_COST``) here.
 
-    The SBM layer with ``impl="sparse"`` and one bucket of ``C = 1.25 density n^2``
-    slots (no dense branch) against the layer with ``impl="dense"``, same parameters and
-    density, timed in alternation: ``edge_cost = (t_sparse / C) / (t_dense / n^2)``. Both
-    times are whole layers (fwd+bwd), so the parts outside attention (projections,
-    plans) count on both sides; at n >= 2048 they are a few percent.
+    The SBM layer with ``impl="dense"`` against the same layer (same parameters, shifted
+    to ``density``) with ``impl="sparse"`` and one bucket of ``C = 2 density n^2`` slots
+    (about half filled, as a bucket typically is with buckets 4x apart; no dense
+    branch), timed in alternation: ``edge_cost = (t_sparse / C) / (t_dense / n^2)``, from
+    the median of the per-round time ratios. Both times are whole layers (fwd+bwd), so
+    the parts outside attention (projections, plans) count on both sides; at n >= 2048
+    they are a few percent.
     """
-    frac = 1.25 * density
-    sparse = {"impl": "sparse", "capacity_buckets": (frac,), "max_dense_elements": 0}
-    loads, infos = [], []
-    for opts in ({"impl": "dense"}, sparse):
-        fn, args, info = layer_workload("sbm", b, h, d, n, density, opts)
-        loads.append((fn, args))
-        infos.append(info)
+    frac = 2.0 * density
+    fn_d, args_d, info_d = layer_workload("sbm", b, h, d, n, density, {"impl": "dense"})
+    loads, infos = [(fn_d, args_d)], [info_d]
+    for kernel in kernels:
+        sparse = {
+            "impl": "sparse",
+            "capacity_buckets": (frac,),
+            "max_dense_elements": 0,
+            "kernel": kernel,
+        }
+        fn_s, args_s, info_s = layer_workload("sbm", b, h, d, n, density, sparse, info_d["shift"])
+        loads.append((fn_s, args_s))
+        infos.append(info_s)
     measured = measure_interleaved(loads, **kw)
     cap = math.ceil(frac * n * n)
-    t_dense, t_sparse = (m.get("median_s") for m in measured)
-    out = {"n": n, "density": density, "capacity": cap, "dense": infos[0], "sparse": infos[1]}
-    if t_dense and t_sparse:
-        out["edge_cost"] = (t_sparse / cap) / (t_dense / (n * n))
-        out["median_round_ratio"] = measured[1].get("median_round_ratio")
-        out["edge_cost_rounds"] = measured[1]["median_round_ratio"] * n * n / cap
+    out = {"n": n, "density": density, "capacity": cap, "dense": info_d, "edge_cost": {}}
+    for kernel, info, m in zip(kernels, infos[1:], measured[1:], strict=True):
+        out[kernel] = info
+        if "median_round_ratio" in m:
+            out["edge_cost"][kernel] = m["median_round_ratio"] * n * n / cap
     out["times_s"] = [m.get("times_s") for m in measured]
+    out["temp_bytes"] = [m.get("temp_bytes") for m in measured]
     return out
 
 
@@ -711,7 +725,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for n in args.calibrate:
         rec = {"section": "calibrate", "n": n, "kind": "edge cost"}
-        rec.update(calibrate_edge_cost(b, h, d, n, 0.05, **kw))
+        rec.update(calibrate_edge_cost(b, h, d, n, 0.05, args.impls, **kw))
         print(f"[calib ] n={n} edge_cost={rec.get('edge_cost')}", flush=True)
         results.append(rec)
 
@@ -994,11 +1008,13 @@ def markdown(report: dict[str, Any], command: str) -> str:
     if calib:
         lines += ["", "### Cost-model calibration", ""]
         for r in calib:
-            lines.append(
-                f"- n={r['n']}, density {r['density']}: edge cost "
-                f"{_fmt(r.get('edge_cost'))} (per-round {_fmt(r.get('edge_cost_rounds'))}) "
-                f"dense-path pairs per slot; the table in use has {cfg.get('edge_cost_rows')}."
-            )
+            for kernel, cost in r.get("edge_cost", {}).items():
+                lines.append(
+                    f"- n={r['n']}, density {r['density']}, kernel {kernel}: edge cost "
+                    f"{_fmt(cost)} dense-path pairs per slot (sparse overflow: "
+                    f"{r[kernel].get('overflow')}); the table in use (rows) has "
+                    f"{cfg.get('edge_cost_rows')}."
+                )
     i4 = issue4_rows(report)
     if any(t["value"] is not None for t in i4):
         lines += [

@@ -544,3 +544,26 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=str(path))
     for name in ("clusters", "mlp_w1", "mlp_w2", "query", "key", "value"):
         assert any(np.abs(np.asarray(t)).sum() > 0 for t in jax.tree.leaves(grads[name])), name
+
+
+def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
+    from sbm_jax.attention.sbm import plan_paths
+
+    # Module: neither a bucket (max_edge_slots) nor the dense path (max_dense_elements).
+    mod = _module(max_dense_elements=10, max_edge_slots=100)
+    need_slots = 2 * 2 * bucket_capacities((0.5,), L, L)[0]  # batch * heads * capacity
+    with pytest.raises(
+        ValueError, match=rf"{need_slots} slots, over max_edge_slots=100.*{4 * L * L}"
+    ):
+        mod.init({"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}, _x(), MASK)
+    # A length whose n*m overflows the int32 edge keys, with the dense path ruled out.
+    with pytest.raises(ValueError, match="length=50000"):
+        plan_paths(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,), max_dense_elements=0)
+    # With the dense path allowed the same length runs dense (streamed), no bucket built.
+    big = dict(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,))
+    assert plan_paths(**big, max_dense_elements=2**40) == ((), True)
+    # max_edge_slots drops the buckets that do not fit, the largest first.
+    caps, dense = plan_paths(
+        batch=1, heads=2, length=32768, capacity_buckets=(1 / 64, 1 / 16, 1 / 4), impl="sparse"
+    )
+    assert caps == (32768**2 // 64,) and dense

@@ -25,13 +25,16 @@ from collections.abc import Sequence
 import jax
 
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
-#: kernel. ``cpu``: measured with ``scripts/benchmark_attention.py --calibrate`` on a
-#: 2-core x86 CPU (JAX 0.10.2, B=2, H=2, d_h=32, k=128, n=2048, float32; see
-#: docs/benchmarks.md). ``gpu`` and ``tpu``: NOT measured (no accelerator was available
-#: when this was written); the values are guesses that favour the dense branch, whose
-#: work is matrix products, over gathers. Recalibrate with ``--calibrate``.
+#: kernel. ``cpu``: measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls
+#: rows segment`` on a shared 2-core x86 CPU (JAX 0.10.2, B=2, H=2, d_h=32, k=128, n=2048,
+#: 5% density in a bucket of 10% of n^2, float32): rows 10.3 and 8.0 in two runs, segment
+#: 30.9 (docs/benchmarks.md). With k=128 buckets below ~1/9 of n*m run sparse with
+#: ``rows``: the defaults 1/64 and 1/16, not 1/4. ``gpu`` and ``tpu``: NOT measured (no
+#: accelerator was available when this was written); the values are guesses that favour
+#: the dense branch, whose work is matrix products, over gathers. Recalibrate there with
+#: ``--calibrate``.
 EDGE_COST: dict[str, dict[str, float]] = {
-    "cpu": {"rows": 4.0, "segment": 8.0},
+    "cpu": {"rows": 9.0, "segment": 31.0},
     "gpu": {"rows": 16.0, "segment": 32.0},
     "tpu": {"rows": 16.0, "segment": 32.0},
 }
