@@ -567,3 +567,28 @@ def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
         batch=1, heads=2, length=32768, capacity_buckets=(1 / 64, 1 / 16, 1 / 4), impl="sparse"
     )
     assert caps == (32768**2 // 64,) and dense
+
+
+def test_overflow_is_sown_for_the_trainer_when_the_dense_path_is_ruled_out():
+    # The trainer reads variables["attention_stats"]["overflow"] ([batch, heads] bool per
+    # call). With the dense path ruled out (max_dense_elements=0), one run with a bucket
+    # of n*m slots (poisson law: no overflow possible below n*m draws, and the expected
+    # draws are ~density * n*m) counts each graph's distinct edges, a lower bound on its
+    # draws; the same key (same draws) with a bucket below that bound must flag every
+    # graph and keep at most the bucket's capacity of edges.
+    x = _x()
+    base = _module(max_dense_elements=0, edge_law="poisson")
+    params = _init(base, x)
+    key = jax.random.PRNGKey(3)
+    _, mut = _apply(base.clone(capacity_buckets=(1.0,)), params, x, key)
+    assert not np.asarray(mut[STATS_COLLECTION]["overflow"][0]).any()
+    edges_all = np.asarray(mut[STATS_COLLECTION]["edges"][0])
+    tiny = base.clone(capacity_buckets=(1 / 256,))
+    cap = bucket_capacities((1 / 256,), L, L)[0]
+    assert edges_all.min() > cap, (edges_all, cap)  # the test needs draws above the bucket
+    _, mut = _apply(tiny, params, x, key)
+    (overflow,) = mut[STATS_COLLECTION]["overflow"]
+    (edges,) = mut[STATS_COLLECTION]["edges"]
+    assert overflow.shape == (B, 2) and overflow.dtype == jnp.bool_
+    assert int(np.asarray(overflow).sum()) == B * 2  # the count the trainer sums
+    assert np.asarray(edges).max() <= cap  # edges beyond the bucket were lost, and flagged
