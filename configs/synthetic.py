@@ -44,10 +44,14 @@ def sbm_options(edge_law: str) -> ml_collections.ConfigDict:
     options.edge_law = edge_law  # "bernoulli" (exact Bernoulli(p)) or "poisson" (raw fastRG)
     options.self_loops = False  # add (i, i) for every real token (the theory variant)
     options.shared_mlp = False  # one query/key MLP for all heads (reference code) vs per head
-    options.impl = "auto"  # "auto", "sparse" (edge lists) or "dense" (n x n probabilities)
+    options.impl = "auto"  # "auto", "sparse" (edge lists) or "dense" (streamed over query blocks)
     options.dense_below = 128 * 128  # "auto" takes the dense path when length**2 <= this
-    options.edge_cost = 8.0  # "auto": skip buckets whose edges x edge_cost >= length**2
+    # "auto": skip buckets whose slots x edge_cost >= length**2; unset (None): the cost
+    # model's calibrated value for the backend and kernel (sbm_jax/kernels/cost.py).
+    options.edge_cost = ml_collections.config_dict.placeholder(float)
+    options.kernel = "rows"  # edge kernel of the sparse path: "rows" (fast) or "segment"
     options.cluster_init = "paper"  # C init: "paper" (fan-in d_h) or "reference" (fan-in k*d_h)
+    options.ste = "paper"  # mask estimator: "paper" (eq. 9) or "reference" (released code, clipped)
     return options
 
 

@@ -51,6 +51,7 @@ def attention_options(mechanism: str, size: str) -> tuple[str, ml_collections.Co
         # Local window unioned with the sampled graph, |i - j| <= window // 2 (paper: 64).
         options.window = 0 if mechanism == "sbm_nowindow" else (4 if smoke else 64)
         options.impl = "dense" if smoke else "auto"  # "auto", "sparse" or "dense" path
+        options.ste = "paper"  # mask estimator: "paper" (eq. 9) or "reference" (released code)
         return "sbm", options
     if mechanism == "local":
         options.window = 4 if smoke else 64  # |i - j| <= window // 2

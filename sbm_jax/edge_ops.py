@@ -62,6 +62,7 @@ def edge_attention(
     edges: EdgeList,
     *,
     edge_scale: jax.Array | None = None,
+    edge_bias: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     impl: str = "segment",
@@ -72,7 +73,10 @@ def edge_attention(
       q: ``[n, d]`` queries; k: ``[m, d]`` keys; v: ``[m, dv]`` values.
       edges: the graph; rows index ``q``, columns index ``k``.
       edge_scale: optional ``[C]`` factor on each edge's score (the STE of the sampled
-        mask: ``straight_through(edges.probs)``).
+        mask: ``straight_through(edges.probs)``, paper eq. 9).
+      edge_bias: optional ``[C]`` term added to each edge's logit after the scale (the
+        released code's estimator: ``mask_estimator(p, "reference") - 1``, zero in the
+        forward pass; see :func:`sbm_jax.ste.edge_logit_terms`).
       dropout_rate, dropout_rng: attention dropout on the normalised edge weights.
       impl: ``"segment"``, the canonical gather + segment-op implementation (the
         reference every faster kernel is tested against), or a kernel of
@@ -97,6 +101,7 @@ def edge_attention(
             v,
             edges,
             edge_scale=edge_scale,
+            edge_bias=edge_bias,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
         )
@@ -104,6 +109,8 @@ def edge_attention(
     s = edge_scores(q, k, edges)
     if edge_scale is not None:
         s = s * jnp.where(edges.valid, edge_scale, 0.0)
+    if edge_bias is not None:
+        s = s + jnp.where(edges.valid, edge_bias, 0.0)
     w = edge_softmax(s, edges, n)
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
@@ -120,13 +127,17 @@ def dense_masked_attention(
     mask: jax.Array,
     *,
     scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
-    """Dense reference: softmax of ``q k^T / sqrt(d)`` (times ``scale``) over ``mask``.
+    """Dense reference: softmax of ``q k^T / sqrt(d)`` (times ``scale``, plus ``bias``)
+    over ``mask``.
 
-    ``mask`` is ``[n, m]`` bool; ``scale`` an optional ``[n, m]`` factor on the scores.
-    A row with no allowed key outputs exactly 0.
+    ``mask`` is ``[n, m]`` bool; ``scale`` an optional ``[n, m]`` factor on the scores,
+    ``bias`` an optional ``[n, m]`` term added to them. A row with no allowed key outputs
+    exactly 0. Materialises ``[n, m]`` arrays: a reference, not the layer's dense path
+    (:mod:`sbm_jax.kernels.dense` streams it).
     """
     _check_qkv(q, k, v)
     if mask.shape != (q.shape[0], k.shape[0]):
@@ -135,6 +146,8 @@ def dense_masked_attention(
     s = s / math.sqrt(q.shape[-1])  # float32 scores and softmax statistics
     if scale is not None:
         s = s * jnp.where(mask, scale, 0.0)
+    if bias is not None:
+        s = s + jnp.where(mask, bias, 0.0)
     masked = jnp.where(mask, s, -jnp.inf)
     row_max = jnp.max(masked, axis=-1, keepdims=True)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))

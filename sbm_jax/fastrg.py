@@ -264,27 +264,46 @@ EDGE_PROB_CHUNK = 4096
 SEARCH_CHUNK = 16384
 
 
-def _chunked(fn, *arrays: jax.Array, chunk: int | None = None) -> jax.Array:
+def _chunked(
+    fn, *arrays: jax.Array, chunk: int | None = None, count: jax.Array | None = None, fill=0
+) -> jax.Array:
     """``fn`` applied elementwise-by-slot to ``[C]`` arrays, streamed in chunks.
 
     Same values as ``fn(*arrays)``; chunks of ``chunk`` slots (default
     :data:`EDGE_PROB_CHUNK`, for ``[chunk, k]`` gathers; :data:`SEARCH_CHUNK` for the
     searches) keep the per-slot temporaries (search bounds, gathered rows) in cache.
+    ``count`` (traced): only the first ``count`` slots are needed; the chunks past them
+    are skipped (a loop with a dynamic trip count) and those slots hold ``fill``.
     """
     chunk = EDGE_PROB_CHUNK if chunk is None else chunk
     size = arrays[0].shape[0]
-    if arrays[0].ndim != 1 or size <= chunk:
+    if arrays[0].ndim != 1 or (size <= chunk and count is None):
         return fn(*arrays)
+    chunk = min(chunk, size)
     pad = -size % chunk
-    xs = tuple(jnp.pad(a, (0, pad)).reshape(-1, chunk) for a in arrays)
-    return jax.lax.map(lambda t: fn(*t), xs).reshape(-1)[:size]
+    xs = tuple(jnp.pad(a, (0, pad)) for a in arrays)
+    if count is None:
+        blocked = tuple(a.reshape(-1, chunk) for a in xs)
+        return jax.lax.map(lambda t: fn(*t), blocked).reshape(-1)[:size]
+    dtype = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((chunk,), a.dtype) for a in xs)).dtype
+    out = jnp.full((size + pad,), fill, dtype)
+
+    def step(i, out):
+        part = tuple(jax.lax.dynamic_slice(a, (i * chunk,), (chunk,)) for a in xs)
+        return jax.lax.dynamic_update_slice(out, fn(*part), (i * chunk,))
+
+    live = (jnp.minimum(jnp.asarray(count, jnp.int32), size) + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, live, step, out)[:size]
 
 
-def edge_probs(plan: SamplingPlan, rows: jax.Array, cols: jax.Array) -> jax.Array:
+def edge_probs(
+    plan: SamplingPlan, rows: jax.Array, cols: jax.Array, count: jax.Array | None = None
+) -> jax.Array:
     """``p_ij = Qhat_i S Khat_j^T`` (masked, without delta) for each (row, col).
 
     ``rows``, ``cols``: ``[C]`` int. Streamed in chunks of :data:`EDGE_PROB_CHUNK` slots
     (``lax.map``) so that the ``[C, k]`` gathered memberships are never materialised.
+    ``count``: only the first ``count`` slots are needed (the others get 0).
     """
     k = plan.ys.shape[1]
     ys, zk = plan.ys, plan.z[:, :k]
@@ -292,7 +311,7 @@ def edge_probs(plan: SamplingPlan, rows: jax.Array, cols: jax.Array) -> jax.Arra
     def dot(r, c):
         return jnp.sum(ys[r] * zk[c], axis=-1)
 
-    return _chunked(dot, rows, cols)
+    return _chunked(dot, rows, cols, count=count)
 
 
 @jax.custom_vjp
@@ -319,14 +338,23 @@ def edge_probs_straight_through(
     ``k`` columns, streamed in chunks of :data:`EDGE_PROB_CHUNK` slots, instead of the
     ``[C, k]`` gathered tensors that autodiff of :func:`edge_probs` keeps.
     """
-    del ys, z, rows, cols
-    return valid.astype(jnp.float32)
+    del rows, cols
+    return _ste_ones(ys, z, valid)
+
+
+def _ste_ones(ys, z, valid):
+    # 1 on valid slots. The output depends on ``valid`` *and* on ``ys`` and ``z`` (times
+    # zero), so that under vmap it is batched whenever any of them is: a constant, or an
+    # output batched only like a shared edge list, would be unbatched while the graphs
+    # are not, and its cotangent would arrive summed over the mapped axis (every graph
+    # getting all graphs' gradients).
+    t = jax.lax.stop_gradient(ys[0, 0] + z[0, 0]).astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(t), 0.0 * t, 0.0)  # exactly 0, even for a NaN input
+    return valid.astype(jnp.float32) + zero
 
 
 def _probs_ste_fwd(ys, z, rows, cols, valid):
-    # The output depends on ``valid`` so that under vmap it is batched like the edges: a
-    # constant output would be unbatched and its cotangent summed over the batch.
-    return valid.astype(jnp.float32), (ys, z, rows, cols, valid)
+    return _ste_ones(ys, z, valid), (ys, z, rows, cols, valid)
 
 
 def _probs_ste_bwd(res, g):
@@ -339,12 +367,19 @@ def _probs_ste_bwd(res, g):
     size = rows.shape[0]
     chunk = min(EDGE_PROB_CHUNK, size)
     pad = -size % chunk
-    # Padding slots point at row 0 / column 0 with a zero cotangent: they add nothing.
-    xs = tuple(jnp.pad(a, (0, pad)).reshape(-1, chunk) for a in (rows, cols, g))
+    # Padding slots point at row n - 1 (rows stay sorted) / column 0 with a zero
+    # cotangent: they add nothing.
+    rows = jnp.pad(rows, (0, pad), constant_values=n - 1)
+    cols, g = (jnp.pad(a, (0, pad)) for a in (cols, g))
+    # Only the chunks up to the last valid slot hold edges (valid slots come first in the
+    # sampler's layout, but any layout is handled): the loop stops there, so the work
+    # follows the edges, not the capacity.
+    last = jnp.max(jnp.where(jnp.pad(valid, (0, pad)), jnp.arange(size + pad), -1))
+    live_chunks = (last + chunk) // chunk
 
-    def step(carry, x):
+    def step(i, carry):
         dys, dz = carry
-        r, c, gg = x
+        r, c, gg = (jax.lax.dynamic_slice(a, (i * chunk,), (chunk,)) for a in (rows, cols, g))
         dys = dys.at[r].add(
             gg[:, None] * zk.at[c].get(mode="promise_in_bounds"),
             indices_are_sorted=True,
@@ -353,10 +388,10 @@ def _probs_ste_bwd(res, g):
         dz = dz.at[c].add(
             gg[:, None] * ys32.at[r].get(mode="promise_in_bounds"), mode="promise_in_bounds"
         )
-        return (dys, dz), None
+        return dys, dz
 
     init = (jnp.zeros((n, k), jnp.float32), jnp.zeros((m, k), jnp.float32))
-    (dys, dzk), _ = jax.lax.scan(step, init, xs)
+    dys, dzk = jax.lax.fori_loop(0, live_chunks, step, init)
     dz = jnp.pad(dzk, ((0, 0), (0, kz - k)))
     return dys.astype(ys.dtype), dz.astype(z.dtype), None, None, None
 
@@ -398,8 +433,8 @@ def _thin(
     cols = jnp.where(keep, keys % m, 0)
     need = keep & (u * plan.oversample[rows] >= 1.0)
 
-    def accepted(r, c, uu):
-        p = jax.lax.stop_gradient(edge_probs(plan, r, c))
+    def accepted(r, c, uu, count=None):
+        p = jax.lax.stop_gradient(edge_probs(plan, r, c, count))
         return uu < _keep_probability(plan, p, r)
 
     def everywhere(_):
@@ -414,7 +449,8 @@ def _thin(
         idx = jnp.full((size,), capacity, jnp.int32)
         idx = idx.at[pos].set(jnp.arange(capacity, dtype=jnp.int32), mode="drop")
         take = jnp.minimum(idx, capacity - 1)
-        ok = accepted(rows[take], cols[take], u[take])
+        # Only the first sum(need) gathered slots are used: p_e stops there.
+        ok = accepted(rows[take], cols[take], u[take], jnp.sum(need))
         return jnp.ones((capacity,), bool).at[idx].set(ok, mode="drop")
 
     ok = jax.lax.cond(jnp.sum(need) <= size, gathered, everywhere, None)
@@ -535,20 +571,25 @@ def sample_edge_keys(
     row_counts = count if count.ndim == 1 else split_count(k_split, plan, count)
     rows = _slot_rows(row_counts.astype(jnp.int32), capacity)
     rows = jnp.minimum(rows, n - 1)
-    # A row without weight (masked, or zero memberships and no delta) never holds a
-    # draw, even when a caller's counts put some there.
-    active = (jnp.arange(capacity) < jnp.sum(row_counts)) & (plan.row_cdf[rows, -1] > 0)
+    total = jnp.sum(row_counts)
+    del k_col  # (the two uniforms of a draw now come from one key per chunk)
 
-    def locate(r, u_cluster, u_col):
-        # Inverse CDFs: key cluster given the row, then the key inside that cluster.
-        v = _search_rows(plan.row_cdf, r, _below(plan.row_cdf[r, -1], u_cluster))
-        cols = _search_guided(plan.zcdf, plan.zguide, v, _below(plan.zcdf[v, -1], u_col))
-        return (r * m + cols).astype(jnp.int32)
+    def locate(slot, r):
+        # Inverse CDFs: key cluster given the row, then the key inside that cluster. The
+        # chunk's uniforms come from the key folded with its first slot: no [C] arrays
+        # of uniforms, and none drawn for the chunks past the last draw.
+        u = jax.random.uniform(jax.random.fold_in(k_cluster, slot[0]), (slot.shape[0], 2))
+        total_r = plan.row_cdf[r, -1]
+        v = _search_rows(plan.row_cdf, r, _below(total_r, u[:, 0]))
+        cols = _search_guided(plan.zcdf, plan.zguide, v, _below(plan.zcdf[v, -1], u[:, 1]))
+        # A row without weight (masked, or zero memberships and no delta) never holds a
+        # draw, even when a caller's counts put some there.
+        active = (slot < total) & (total_r > 0)
+        return jnp.where(active, r * m + cols, sentinel).astype(jnp.int32)
 
-    uniforms = [_uniform(kk, capacity) for kk in (k_cluster, k_col)]
-    keys = _sort_keys(
-        jnp.where(active, _chunked(locate, rows, *uniforms, chunk=SEARCH_CHUNK), sentinel)
-    )
+    slots = jnp.arange(capacity, dtype=jnp.int32)
+    located = _chunked(locate, slots, rows, chunk=SEARCH_CHUNK, count=total, fill=sentinel)
+    keys = _sort_keys(located)
     keep = _first_occurrences(keys, sentinel)
     if law == "bernoulli":
         u_keep = _uniform(k_keep, capacity)

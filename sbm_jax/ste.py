@@ -1,8 +1,20 @@
-"""Straight-through estimator for the sampled mask (paper eq. 9)."""
+"""Straight-through estimators for the sampled mask (paper eq. 9 and the released code)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+#: The estimators of ``SBMAttention(ste=...)``: ``"paper"`` (eq. 9, the mask scales the
+#: logit) and ``"reference"`` (the authors' released code: the mask multiplies the
+#: post-softmax weights, rows are renormalised, the cotangent is clipped to [-1, 1]).
+STE_MODES = ("paper", "reference")
+
+
+def check_ste(ste: str, field: str = "ste") -> None:
+    """Raise a ValueError naming ``field`` unless ``ste`` is one of :data:`STE_MODES`."""
+    if ste not in STE_MODES:
+        raise ValueError(f"{field}={ste!r} is not an estimator; choose one of {STE_MODES}")
 
 
 def straight_through(p: jax.Array) -> jax.Array:
@@ -19,3 +31,54 @@ def straight_through(p: jax.Array) -> jax.Array:
     like ``p``.
     """
     return 1.0 + (p - jax.lax.stop_gradient(p))
+
+
+@jax.custom_vjp
+def clip_cotangent(x: jax.Array) -> jax.Array:
+    """Identity in the forward pass; the backward pass clips the cotangent to [-1, 1].
+
+    ``clip_cotangent(straight_through(p))`` is the released code's estimator of the
+    mask ``M`` (``torch`` ``hardtanh(M * dL/dM)`` with ``M = 1`` on a sampled edge): the
+    total cotangent of ``M`` on the edge (attention and density terms together) is
+    clipped before it reaches ``p``. The output is ``x`` itself, so under ``vmap`` it is
+    batched like ``x`` and every mapped graph keeps its own cotangent.
+    """
+    return x
+
+
+def _clip_fwd(x):
+    return x, None
+
+
+def _clip_bwd(_, g):
+    return (jnp.clip(g, -1.0, 1.0),)
+
+
+clip_cotangent.defvjp(_clip_fwd, _clip_bwd)
+
+
+def mask_estimator(p: jax.Array, ste: str) -> jax.Array:
+    """``M_ste``: 1 in the forward pass, the estimator ``ste`` of the mask backward.
+
+    ``"paper"``: ``straight_through(p)`` (eq. 9); ``"reference"``: the same with its
+    cotangent clipped to [-1, 1] (:func:`clip_cotangent`). Edge logits are then
+    ``s_e * M_ste`` (paper) or ``s_e + (M_ste - 1)`` (reference, i.e. ``s_e + log M``
+    with the derivative ``d logit / dM = 1`` of a mask on the post-softmax weights), see
+    :func:`edge_logit_terms`.
+    """
+    check_ste(ste)
+    m = straight_through(p)
+    return clip_cotangent(m) if ste == "reference" else m
+
+
+def edge_logit_terms(m_ste: jax.Array, ste: str) -> dict[str, jax.Array]:
+    """Keyword arguments of the edge kernels that put ``M_ste`` on the logits.
+
+    ``"paper"``: ``{"edge_scale": M}`` (logit ``s_e * M_e``, eq. 9: ``dL/dM = dL/da * s``);
+    ``"reference"``: ``{"edge_bias": M - 1}`` (logit ``s_e + M_e - 1``: the softmax
+    masked by ``M`` after it and renormalised, ``dL/dM = dL/da``).
+    """
+    check_ste(ste)
+    if ste == "paper":
+        return {"edge_scale": m_ste}
+    return {"edge_bias": m_ste - 1.0}

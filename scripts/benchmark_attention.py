@@ -3,34 +3,44 @@
 
 Measures, in one process (so that ratios are fair on a shared, drifting machine):
 
+* ``layer``: the whole ``SBMAttention`` layer *with the module's defaults* (projections,
+  membership MLP, block matrix, plans, path choice, fastRG or the streamed dense path,
+  estimator, attention, output projection) in training mode, its parameters shifted so
+  that the sampled density is about the case's density, against the ``full`` attention
+  layer (same projections, ``jax.nn.dot_product_attention``), timed in alternation;
+  gradients with respect to all parameters and x. Cases ``--layer-cases n:density``.
+* ``long``: the SBM layer at ``--long`` lengths, batch 1, ~1% density: compiled memory
+  and one timed fwd+bwd; full attention at the same n compiled only (memory analysis).
+* ``lra``: one training step (the trainer's ``make_train_step``: forward, loss,
+  backward, AdamW) of the LRA encoder (Pathfinder paper config) at ``--lra-step``
+  lengths with SBM; the full-attention encoder compiled only.
 * ``core``: :func:`sbm_jax.edge_ops.edge_attention` on graphs drawn uniformly at fixed
   densities into the :class:`~sbm_jax.graph.EdgeList` layout (capacity
-  ``ceil(density * n^2)`` slots, draws with replacement collapsed, so a few slots stay
-  empty), with ``edge_scale = straight_through(probs)`` as in the layer; gradients with
-  respect to q, k, v and the edge probabilities. One implementation per ``--impls``.
-* ``dense``: ``jax.nn.dot_product_attention`` (the reference of every ratio) and our
-  :func:`~sbm_jax.edge_ops.dense_masked_attention` with an all-True mask; gradients with
-  respect to q, k, v.
-* ``layer``: the whole ``SBMAttention`` layer (projections, membership MLP, block
-  matrix, plan, fastRG, per-edge p, STE, attention, output projection) in training mode,
-  its parameters shifted so that the sampled density is about ``--layer-density``,
-  against the ``full`` attention layer; gradients with respect to all parameters and x.
+  ``ceil(density * n^2)`` slots), with ``edge_scale = straight_through(probs)``;
+  gradients with respect to q, k, v and the edge probabilities. One per ``--impls``.
+* ``dense``: ``jax.nn.dot_product_attention`` and our
+  :func:`~sbm_jax.edge_ops.dense_masked_attention` with an all-True mask.
 * ``sample``: fastRG alone as the layer runs it (``sample_edge_keys``) at the capacity of
   the 5% core.
+* ``calibrate`` (``--calibrate n``): the cost model's edge cost on this backend (see
+  ``sbm_jax/kernels/cost.py``).
 
 ``core`` and ``sample`` map the (example, head) pairs as the layer's sparse branches do on
-the backend (one head at a time on CPU, one ``vmap`` elsewhere).
+the backend (one head at a time on CPU, one ``vmap`` on GPU/TPU); the layer picks its own
+mapping. Nothing here is CPU-specific: the same command runs on GPU and TPU.
 
 Each figure is the median of ``--repeats`` (>= 5) timed calls after ``--warmup`` calls,
-of one compiled function; memory is XLA's compiled memory analysis (``temp`` = scratch
-buffers the program allocates beyond its arguments and outputs). Configurations whose
-compiled footprint exceeds ``--max-gib`` are skipped and listed as such.
+of one compiled function (long-sequence rows: one timed call); memory is XLA's compiled
+memory analysis (``temp`` = scratch buffers beyond arguments and outputs).
+Configurations whose compiled footprint exceeds ``--max-gib`` are skipped and listed.
 
 Usage::
 
-    python scripts/benchmark_attention.py --quick            # a couple of minutes
-    python scripts/benchmark_attention.py                    # the full grid
-    python scripts/benchmark_attention.py --sizes 4096 --densities 0.01 0.05 --impls rows
+    python scripts/benchmark_attention.py --quick            # a few minutes
+    python scripts/benchmark_attention.py --sizes 4096 --densities 0.01 0.05 --impls rows \\
+        --markdown docs/benchmarks.md                        # the documented run
+    python scripts/benchmark_attention.py --no-core --no-sampler --long --lra-step \\
+        --layer-cases 4096:0.05                              # one layer case only
 """
 
 from __future__ import annotations
@@ -61,7 +71,6 @@ from sbm_jax.ste import straight_through  # noqa: E402
 
 GIB = 2**30
 TARGET_N = 4096
-BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -283,65 +292,117 @@ def make_plans(key, b: int, h: int, n: int, clusters: int, density: float, law: 
 
 
 # ----------------------------------------------------------------------------- layer
-def layer_workload(
-    kind: str, b: int, h: int, d: int, n: int, kernel: str, density: float, law: str
-):
-    """Return ``(fn, args, info)`` for a whole-layer fwd+bwd (SBM or full attention)."""
-    import flax.linen as nn  # noqa: F401  (imported for the registry side effects)
+#: Sequence length at which the layer's density shift is found by bisection (the shift
+#: depends on the token distribution, not on n; longer layers reuse it).
+CALIBRATION_N = 2048
 
-    from sbm_jax.attention import STATS_COLLECTION, get_attention
 
-    width = h * d
-    kx, kg, kp, ks = jax.random.split(jax.random.PRNGKey(1), 4)
+def _layer_inputs(b: int, n: int, width: int):
+    kx, kg = jax.random.split(jax.random.PRNGKey(1))
     x = jax.random.normal(kx, (b, n, width))
     g = jax.random.normal(kg, (b, n, width))
-    mask = jnp.ones((b, n), bool)
+    return x, g, jnp.ones((b, n), bool)
+
+
+def _shifted(base, lam, d):
+    # Membership logits move by about -2 * lam: clusters += 2 e_0, MLP output bias
+    # -= lam e_0 (e_0 the first unit vector of the head width).
+    e = jnp.zeros((d,)).at[0].set(1.0)
+    p = dict(base)
+    p["clusters"] = base["clusters"] + 2.0 * e
+    p["mlp_b2"] = base["mlp_b2"] - lam * e
+    return p
+
+
+def stats_fn(mod, mask, key):
+    """Jitted ``(params, x) -> stats`` of the SBM layer in training mode (one forward)."""
+    from sbm_jax.attention import STATS_COLLECTION
+
+    @jax.jit
+    def run(params, x):
+        _, st = mod.apply(
+            {"params": params},
+            x,
+            mask,
+            deterministic=False,
+            rngs={"sample": key, "dropout": key},
+            mutable=[STATS_COLLECTION],
+        )
+        s = st[STATS_COLLECTION]
+        return jnp.mean(s["density"][0]), s["path"][0], jnp.sum(s["overflow"][0])
+
+    def stats(params, x):
+        dens, path, overflow = run(params, x)
+        return {
+            "density": float(dens),
+            "path": int(path),
+            "dense_path": int(path) == len(mod.capacity_buckets),
+            "overflow": int(overflow),
+        }
+
+    return stats
+
+
+def density_shift(mod, base, b: int, n: int, d: int, density: float, key) -> float:
+    """The shift ``lam`` (see :func:`_shifted`) that gives ``density``, by bisection on the
+    sampled density of the layer at ``n = min(n, CALIBRATION_N)`` (one compilation)."""
+    n_cal = min(n, CALIBRATION_N)
+    x, _, mask = _layer_inputs(b, n_cal, base["query"]["kernel"].shape[0])
+    stats = stats_fn(mod, mask, key)
+    lo, hi = -8.0, 8.0
+    for _ in range(12):
+        mid = 0.5 * (lo + hi)
+        dens = stats(_shifted(base, mid, d), x)["density"]
+        lo, hi = (mid, hi) if dens > density else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+_SHIFTS: dict[tuple, float] = {}
+
+
+def layer_workload(
+    kind: str,
+    b: int,
+    h: int,
+    d: int,
+    n: int,
+    density: float,
+    options: dict[str, Any] | None = None,
+    shift: float | None = None,
+):
+    """Return ``(fn, args, info)`` for a whole-layer fwd+bwd (SBM or full attention).
+
+    ``kind="sbm"``: ``SBMAttention(num_heads=h, head_dim=d, out_dim=h*d, **options)``,
+    the module's defaults unless ``options`` says otherwise, in training mode, with its
+    membership logits shifted so that the sampled density is about ``density``.
+    ``kind="full"``: the ``full`` layer (same projections, ``jax.nn.dot_product_attention``).
+    Gradients for all parameters and x. ``shift``: use this membership shift instead of
+    finding it (``info["shift"]`` reports the one used).
+    """
+    from sbm_jax.attention import get_attention
+
+    width = h * d
+    kp, ks = jax.random.split(jax.random.PRNGKey(2))
+    x, g, mask = _layer_inputs(b, n, width)
     if kind == "full":
         mod = get_attention("full")(num_heads=h, head_dim=d, out_dim=width)
     else:
-        mod = get_attention("sbm")(
-            num_heads=h, head_dim=d, out_dim=width, kernel=kernel, edge_law=law
-        )
+        mod = get_attention("sbm")(num_heads=h, head_dim=d, out_dim=width, **(options or {}))
     rngs = {"params": kp, "sample": ks, "dropout": ks}
-    params = mod.init(rngs, x, mask, deterministic=False)["params"]
+    x0 = x[:, : min(n, 64)]  # parameter shapes do not depend on n
+    params = jax.jit(lambda x: mod.init(rngs, x, mask[:, : x.shape[1]], deterministic=False))(x0)
+    params = params["params"]
     info: dict[str, Any] = {}
-
     if kind == "sbm":
-        # Shift every membership logit down by ~2*lam: clusters += 2 e, MLP bias -= lam e.
-        e = jnp.zeros((d,)).at[0].set(1.0)
-        base = params
-
-        def shifted(lam):
-            p = dict(base)
-            p["clusters"] = base["clusters"] + 2.0 * e
-            p["mlp_b2"] = base["mlp_b2"] - lam * e
-            return p
-
-        @jax.jit
-        def density_at(lam, base, x):
-            p = dict(base)
-            p["clusters"] = base["clusters"] + 2.0 * e
-            p["mlp_b2"] = base["mlp_b2"] - lam * e
-            _, st = mod.apply(
-                {"params": p},
-                x,
-                mask,
-                deterministic=False,
-                rngs={"sample": ks},
-                mutable=[STATS_COLLECTION],
-            )
-            s = st[STATS_COLLECTION]
-            return jnp.mean(s["density"][0]), s["path"][0]
-
-        lo, hi = 0.0, 8.0
-        for _ in range(10):
-            mid = 0.5 * (lo + hi)
-            dens = float(density_at(mid, base, x)[0])
-            lo, hi = (mid, hi) if dens > density else (lo, mid)
-        lam = 0.5 * (lo + hi)
-        dens, path = density_at(lam, base, x)
-        params = shifted(lam)
-        info.update(density=float(dens), path=int(path))
+        sig = (b, min(n, CALIBRATION_N), h, d, density, tuple(sorted((options or {}).items())))
+        if shift is None and sig not in _SHIFTS:
+            _SHIFTS[sig] = density_shift(mod, params, b, n, d, density, ks)
+        shift = _SHIFTS[sig] if shift is None else shift
+        params = _shifted(params, shift, d)
+        info["shift"] = shift
+        stats = stats_fn(mod, mask, ks)(params, x)
+        stats["sampled_density"] = stats.pop("density")
+        info.update(stats)
 
     def loss(p, x):
         out = mod.apply({"params": p}, x, mask, deterministic=False, rngs={"sample": ks})
@@ -350,21 +411,124 @@ def layer_workload(
     return jax.value_and_grad(loss, argnums=(0, 1)), (params, x), info
 
 
+def lra_step_workload(mechanism: str, n: int, batch: int):
+    """One training step of the LRA encoder (``configs/lra/pathfinder.py`` at the paper
+    scale: 2 layers, 2 heads, width 64, k=128) on inputs of ``n`` tokens (Path-X is
+    128 x 128 = 16384), through the trainer's own ``make_train_step``: forward, loss,
+    backward, AdamW update. Returns ``(compiled-able fn, args, info)``."""
+    import configs.lra.pathfinder as pathfinder_config
+    from sbm_jax.models.build import build_model
+    from sbm_jax.training.state import create_train_state, learning_rate_schedule
+    from sbm_jax.training.steps import make_mesh, make_train_step
+    from sbm_jax.training.task import Task
+
+    config = pathfinder_config.get_config(mechanism)
+    config.model.max_len = n
+    config.task.max_length = n
+    config.train.batch_size = batch
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(1, config.model.vocab_size, size=(batch, n)).astype(np.int32)
+    data = {
+        "inputs": inputs,
+        "mask": np.ones((batch, n), bool),
+        "targets": rng.integers(0, config.model.num_classes, size=(batch,)).astype(np.int32),
+    }
+    task = Task(name="path_x_mock", head="classification", train_batches=lambda s: iter([data]))
+    model = build_model(config.model, "classification")
+    state = create_train_state(config, model, task, data)
+    mesh = make_mesh(1)
+    step = make_train_step(
+        task, mesh, float(config.train.density_lambda), learning_rate_schedule(config.train)
+    )
+    info = {"batch": batch, "layers": int(config.model.num_layers)}
+    return step, (state, data), info
+
+
+def calibrate_edge_cost(
+    b: int, h: int, d: int, n: int, density: float, kernels: Sequence[str], **kw
+) -> dict[str, Any]:
+    """Measure the cost model's slot cost (``sbm_jax.kernels.cost.EDGE_COST``) here.
+
+    The SBM layer with ``impl="dense"`` against the same layer (same parameters, shifted
+    to ``density``) with ``impl="sparse"`` and one bucket of ``C = 2 density n^2`` slots
+    (about half filled, as a bucket typically is with buckets 4x apart; no dense
+    branch), timed in alternation: ``edge_cost = (t_sparse / C) / (t_dense / n^2)``, from
+    the median of the per-round time ratios. Both times are whole layers (fwd+bwd), so
+    the parts outside attention (projections, plans) count on both sides; at n >= 2048
+    they are a few percent.
+    """
+    frac = 2.0 * density
+    fn_d, args_d, info_d = layer_workload("sbm", b, h, d, n, density, {"impl": "dense"})
+    loads, infos = [(fn_d, args_d)], [info_d]
+    for kernel in kernels:
+        sparse = {
+            "impl": "sparse",
+            "capacity_buckets": (frac,),
+            "max_dense_elements": 0,
+            "kernel": kernel,
+        }
+        fn_s, args_s, info_s = layer_workload("sbm", b, h, d, n, density, sparse, info_d["shift"])
+        loads.append((fn_s, args_s))
+        infos.append(info_s)
+    measured = measure_interleaved(loads, **kw)
+    cap = math.ceil(frac * n * n)
+    out = {"n": n, "density": density, "capacity": cap, "dense": info_d, "edge_cost": {}}
+    for kernel, info, m in zip(kernels, infos[1:], measured[1:], strict=True):
+        out[kernel] = info
+        if "median_round_ratio" in m:
+            out["edge_cost"][kernel] = m["median_round_ratio"] * n * n / cap
+    out["times_s"] = [m.get("times_s") for m in measured]
+    out["temp_bytes"] = [m.get("temp_bytes") for m in measured]
+    return out
+
+
 # ----------------------------------------------------------------------------- driver
+#: Whole-layer cases of the issue-14 target table: (n, density).
+LAYER_CASES = ((1024, 0.05), (2048, 0.9), (4096, 0.05))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25])
-    p.add_argument("--impls", nargs="+", default=["segment", "rows"])
+    p.add_argument("--impls", nargs="+", default=["segment", "rows"], help="core kernels")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--clusters", type=int, default=128, help="SBM k for the sampler/layer")
+    p.add_argument("--clusters", type=int, default=128, help="SBM k for the sampler")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-gib", type=float, default=6.0, help="skip larger compiled programs")
-    p.add_argument("--layer-density", type=float, default=0.05)
-    p.add_argument("--layer-law", default="bernoulli", choices=["bernoulli", "poisson"])
+    p.add_argument(
+        "--layer-cases",
+        nargs="*",
+        default=[f"{n}:{dd}" for n, dd in LAYER_CASES],
+        help="whole-layer cases n:density (the module's defaults against the full layer)",
+    )
+    p.add_argument(
+        "--long",
+        type=int,
+        nargs="*",
+        default=[16384, 32768],
+        help="long-sequence layer runs (batch 1, ~1%% density): one timed fwd+bwd each, "
+        "beside full attention's compiled memory",
+    )
+    p.add_argument("--long-density", type=float, default=0.01)
+    p.add_argument(
+        "--lra-step",
+        type=int,
+        nargs="*",
+        default=[16384],
+        help="lengths of one LRA-encoder training step with SBM (batch --lra-batch)",
+    )
+    p.add_argument("--lra-batch", type=int, default=1)
+    p.add_argument(
+        "--calibrate",
+        type=int,
+        nargs="*",
+        default=[],
+        help="measure the cost model's edge cost at these n (see kernels/cost.py)",
+    )
     p.add_argument(
         "--head-map",
         default="layer",
@@ -375,8 +539,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer figures")
     p.add_argument("--no-core", action="store_true", help="skip the dense and core figures")
     p.add_argument("--no-sampler", action="store_true", help="skip the fastRG figures")
-    p.add_argument("--no-targets", action="store_true", help="do not add the issue-4 runs")
-    p.add_argument("--quick", action="store_true", help="n in {1024, 2048}, densities 1%%, 5%%")
+    p.add_argument("--no-targets", action="store_true", help="do not add the target runs")
+    p.add_argument("--quick", action="store_true", help="small sizes, no long runs")
     p.add_argument("--json", default="benchmark_attention.json", help="output JSON path")
     p.add_argument("--markdown", default=None, help="write the tables into this .md file")
     p.add_argument(
@@ -386,11 +550,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.sizes = [1024, 2048]
         args.densities = [0.01, 0.05]
+        args.layer_cases = ["1024:0.05"]
+        args.long, args.lra_step = [], []
+        args.no_targets = True
     if args.repeats < 5:
         p.error(f"--repeats must be >= 5 (median of at least 5), got {args.repeats}")
     if any(not 0.0 < dd <= 1.0 for dd in args.densities):
         p.error(f"--densities must lie in (0, 1], got {args.densities}")
+    try:
+        args.layer_cases = [
+            (int(c.split(":")[0]), float(c.split(":")[1])) for c in args.layer_cases
+        ]
+    except (IndexError, ValueError):
+        p.error(f"--layer-cases must look like 4096:0.05, got {args.layer_cases}")
     return args
+
+
+def _peak_rss_gib() -> float | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except (ImportError, AttributeError):
+        return None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -401,7 +583,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
 
-    # Core grid, plus the configurations the issue-4 target table needs.
+    # Core grid, plus the configurations the target tables need.
     grid = {(n, dd) for n in args.sizes for dd in args.densities}
     if not args.no_targets:
         grid |= {(TARGET_N, 0.01), (TARGET_N, 0.05), (TARGET_N // 2, 0.10)}
@@ -413,7 +595,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "median_s" in rec:
             t = f"{rec['median_s'] * 1e3:9.1f} ms"
         else:
-            t = rec.get("skipped", "?")
+            t = rec.get("skipped", "")
         tmp = rec.get("temp_bytes")
         tmp = f"temp {tmp / 2**20:8.1f} MiB" if tmp is not None else ""
         print(
@@ -493,19 +675,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec.update(measure(sampler_fn(law, cap), (keys, plans, counts), **kw))
                 log(rec)
 
-        if not args.no_layer and (n == TARGET_N or n in args.sizes):
-            # Full and SBM layers are timed in alternation (measure_interleaved).
+    if not args.no_layer:
+        for n, dd in args.layer_cases:
+            # Full and SBM layers (the module's defaults) timed in alternation.
             recs, loads = [], []
-            for kind, kernel in [("full", "")] + [("sbm", i) for i in args.impls]:
-                rec = {
-                    "section": "layer",
-                    "n": n,
-                    "kind": kind if kind == "full" else f"sbm/{kernel}",
-                }
+            for kind in ("full", "sbm"):
+                rec = {"section": "layer", "n": n, "density": dd, "kind": kind}
                 try:
-                    fn, a, info = layer_workload(
-                        kind, b, h, d, n, kernel, args.layer_density, args.layer_law
-                    )
+                    fn, a, info = layer_workload(kind, b, h, d, n, dd)
                 except Exception as err:  # report, never hide: a failed layer is a result
                     rec["skipped"] = f"{type(err).__name__}: {err}"
                     log(rec)
@@ -516,6 +693,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for rec, info in zip(recs, measure_interleaved(loads, **kw), strict=True):
                 rec.update(info)
                 log(rec)
+
+    for n in args.long:
+        # Batch 1: the SBM layer runs (one warm-up and one timed fwd+bwd); full attention
+        # at this n is only compiled (its memory analysis), it does not fit to run here.
+        bl = 1
+        rec = {"section": "long", "n": n, "density": args.long_density, "kind": "full"}
+        fn, a, _ = layer_workload("full", bl, h, d, n, args.long_density)
+        _, info = compile_checked(fn, a, float("inf"))
+        rec.update(info, batch=bl, note="compiled only")
+        log(rec)
+        rec = {"section": "long", "n": n, "density": args.long_density, "kind": "sbm"}
+        fn, a, info = layer_workload("sbm", bl, h, d, n, args.long_density)
+        rec.update(info, batch=bl)
+        rec.update(measure(fn, a, repeats=1, warmup=1, max_bytes=float("inf")))
+        rec["peak_rss_gib"] = _peak_rss_gib()
+        log(rec)
+
+    for n in args.lra_step:
+        for mechanism in ("full", "sbm"):
+            rec = {"section": "lra", "n": n, "kind": mechanism}
+            fn, a, info = lra_step_workload(mechanism, n, args.lra_batch)
+            rec.update(info)
+            if mechanism == "full":
+                _, cinfo = compile_checked(fn, a, float("inf"))
+                rec.update(cinfo, note="compiled only")
+            else:
+                rec.update(measure(fn, a, repeats=1, warmup=1, max_bytes=float("inf")))
+                rec["peak_rss_gib"] = _peak_rss_gib()
+            log(rec)
+
+    for n in args.calibrate:
+        rec = {"section": "calibrate", "n": n, "kind": "edge cost"}
+        rec.update(calibrate_edge_cost(b, h, d, n, 0.05, args.impls, **kw))
+        print(f"[calib ] n={n} edge_cost={rec.get('edge_cost')}", flush=True)
+        results.append(rec)
+
+    from sbm_jax.kernels.cost import edge_cost
+
     return {
         "config": {
             "batch": b,
@@ -526,8 +741,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "max_gib": args.max_gib,
             "impls": args.impls,
-            "layer_law": args.layer_law,
             "heads_mode": args.heads_mode,
+            "edge_cost_rows": edge_cost("rows"),
         },
         "machine": {
             "platform": platform.platform(),
@@ -549,11 +764,20 @@ def _find(results, **match):
     return None
 
 
+def _find_any(results, **match):
+    for r in results:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
 def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per timed core/dense/layer/sample result with its ratios to dense."""
     res = report["results"]
     rows = []
     for r in res:
+        if r["section"] in ("long", "lra", "calibrate"):
+            continue
         dense = _find(res, section="dense", n=r["n"], impl="jax.nn.dot_product_attention")
         row = {
             "section": r["section"],
@@ -582,29 +806,93 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             if dense.get("temp_bytes"):
                 row["temp_vs_dense"] = r.get("temp_bytes", 0) / dense["temp_bytes"]
         if r["section"] == "layer":
-            full = _find(res, section="layer", n=r["n"], kind="full")
+            full = _find(res, section="layer", n=r["n"], density=r.get("density"), kind="full")
             if full is not None:
                 row["time_vs_dense"] = r["median_s"] / full["median_s"]
                 if full.get("temp_bytes"):
                     row["temp_vs_dense"] = r.get("temp_bytes", 0) / full["temp_bytes"]
+            if r["kind"] == "full":
+                row["density"] = None
         if r["section"] == "core" and r.get("edges"):
             row["ns_per_edge"] = r["median_s"] / r["edges"] * 1e9
             row["bytes_per_edge"] = r.get("temp_bytes", 0) / r["edges"]
         if r["section"] == "layer" and "path" in r:
-            row["note"] = f"bucket path {r['path']}, sampled density {r['density']:.3f}"
+            row["note"] = (
+                f"path {r['path']} ({'dense' if r.get('dense_path') else 'bucket'}), sampled "
+                f"density {r['sampled_density']:.3f}"
+            )
             if "median_round_ratio" in r:
                 row["note"] += f"; median of per-round ratios {r['median_round_ratio']:.3f}"
         rows.append(row)
     return rows
 
 
-def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue-4 target table, for every kernel measured."""
+def _target(figure, target, value, why=""):
+    return {
+        "figure": figure,
+        "target": target,
+        "value": value,
+        "met": None if value is None else value <= target,
+        "note": why,
+    }
+
+
+def issue14_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue-14 target table (whole layer with the module's defaults vs full)."""
+    res = report["results"]
+
+    def layer_ratio(n, dd, key):
+        full = _find(res, section="layer", n=n, density=dd, kind="full")
+        sbm = _find(res, section="layer", n=n, density=dd, kind="sbm")
+        if full is None or sbm is None or not full.get(key):
+            return None
+        if key == "median_s" and "median_round_ratio" in sbm:
+            return sbm["median_round_ratio"]
+        return sbm[key] / full[key]
+
+    out = [
+        _target(
+            "whole-layer temp memory SBM / full, 5%, n=4096",
+            0.25,
+            layer_ratio(4096, 0.05, "temp_bytes"),
+        ),
+        _target(
+            "whole-layer temp memory SBM / full, density 0.9, n=2048 (dense path)",
+            1.0,
+            layer_ratio(2048, 0.9, "temp_bytes"),
+        ),
+        _target(
+            "whole-layer time SBM / full, 5%, n=4096", 0.6, layer_ratio(4096, 0.05, "median_s")
+        ),
+        _target(
+            "whole-layer time SBM / full, density 0.9, n=2048",
+            1.5,
+            layer_ratio(2048, 0.9, "median_s"),
+        ),
+        _target("n=1024, 5%: time SBM / full", 1.0, layer_ratio(1024, 0.05, "median_s")),
+        _target("n=1024, 5%: temp memory SBM / full", 1.0, layer_ratio(1024, 0.05, "temp_bytes")),
+    ]
+    full_l = _find_any(res, section="long", n=32768, kind="full")
+    sbm_l = _find_any(res, section="long", n=32768, kind="sbm")
+    val = None
+    if full_l and sbm_l and full_l.get("temp_bytes") and "temp_bytes" in sbm_l:
+        val = sbm_l["temp_bytes"] / full_l["temp_bytes"]
+    out.append(
+        _target("n=32768, ~1%, batch 1: SBM temp / full attention's compiled temp", 0.05, val)
+    )
+    samp = _find(res, section="sample", n=TARGET_N, kind="fastRG bernoulli")
+    core = _find(res, section="core", n=TARGET_N, density=0.05, impl="rows")
+    val = None if samp is None or core is None else samp["median_s"] / core["median_s"]
+    out.append(_target("fastRG (bernoulli) time / attention core (rows) fwd+bwd, 5%", 1.0, val))
+    return out
+
+
+def issue4_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue-4 kernel table, for every kernel measured."""
     res = report["results"]
     n = TARGET_N
     dense = _find(res, section="dense", n=n, impl="jax.nn.dot_product_attention")
     masked = _find(res, section="dense", n=n, impl="dense_masked_attention")
-    full = _find(res, section="layer", n=n, kind="full")
     out = []
     for impl in report["config"]["impls"]:
 
@@ -612,21 +900,12 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             return _find(res, section="core", n=nn_, density=dd, impl=impl)
 
         def add(figure, target, value, alt=None, impl=impl):
-            out.append(
-                {
-                    "impl": impl,
-                    "figure": figure,
-                    "target": target,
-                    "value": value,
-                    "vs_dense_masked": alt,
-                    "met": None if value is None else value <= target,
-                }
-            )
+            row = _target(figure, target, value)
+            row.update(impl=impl, vs_dense_masked=alt)
+            out.append(row)
 
         c1, c5 = core(n, 0.01), core(n, 0.05)
         c2 = core(n // 2, 0.10)
-        lay = _find(res, section="layer", n=n, kind=f"sbm/{impl}")
-        samp = _find(res, section="sample", n=n, kind="fastRG bernoulli")
         div = lambda a, b_, key="median_s": None if a is None or b_ is None else a[key] / b_[key]
         add("core fwd+bwd time / dense, density 1%", 0.10, div(c1, dense), div(c1, masked))
         add("core fwd+bwd time / dense, density 5%", 0.30, div(c5, dense), div(c5, masked))
@@ -648,10 +927,34 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             0.05,
             div(c5v, dense, "temp_bytes"),
         )
-        add("whole SBM layer / full-attention layer, ~5%", 0.6, div(lay, full))
-        add("fastRG (bernoulli) time / core fwd+bwd, 5% capacity", 0.3, div(samp, c5))
         add("time n=2048 -> n=4096 at 205 edges/query", 2.3, div(c5, c2))
     return out
+
+
+def long_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Long sequences and the LRA training step: SBM run, full attention compiled."""
+    rows = []
+    for r in report["results"]:
+        if r["section"] not in ("long", "lra"):
+            continue
+        full = _find_any(report["results"], section=r["section"], n=r["n"], kind="full")
+        row = {
+            "what": "SBM layer fwd+bwd" if r["section"] == "long" else "LRA encoder train step",
+            "n": r["n"],
+            "kind": r["kind"],
+            "batch": r.get("batch"),
+            "temp_gib": r.get("temp_bytes", 0) / GIB if "temp_bytes" in r else None,
+            "s": r.get("median_s"),
+            "rss": r.get("peak_rss_gib"),
+            "note": r.get("note", ""),
+        }
+        if r["kind"] == "sbm":
+            if full is not None and full.get("temp_bytes") and "temp_bytes" in r:
+                row["vs_full"] = r["temp_bytes"] / full["temp_bytes"]
+            if "sampled_density" in r:
+                row["note"] = f"sampled density {r['sampled_density']:.4f}, path {r.get('path')}"
+        rows.append(row)
+    return rows
 
 
 def _fmt(x, spec=".3g"):
@@ -672,22 +975,61 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs, "
         f"JAX {mach['jax']}, {mach['date']}. B={cfg['batch']}, H={cfg['heads']}, "
         f"d_h={cfg['head_dim']}, float32, forward + backward, median of {cfg['repeats']} "
-        f"after {cfg['warmup']} warm-up call(s). Ratios are to `jax.nn.dot_product_attention` "
-        "at the same n measured in the same process (layer rows: to the `full` layer); "
-        "on CPU our plain-XLA `dense_masked_attention` is faster than "
-        "`jax.nn.dot_product_attention`, so ratios to it are given too.",
+        f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with the "
+        "module's defaults against the `full` layer (same projections, "
+        "`jax.nn.dot_product_attention`), timed in alternation in one process; their time "
+        "ratio is the median of the per-round ratios. Core rows: ratios to "
+        "`jax.nn.dot_product_attention` at the same n.",
         "",
-        "### Issue-4 targets (n=4096)",
+        "### Issue-14 targets (whole layer, module defaults)",
         "",
-        "| kernel | figure | target | measured | met | vs our dense_masked_attention |",
-        "|---|---|---|---|---|---|",
+        "| figure | target | measured | met |",
+        "|---|---|---|---|",
     ]
-    for t in target_rows(report):
-        lines.append(
-            f"| {t['impl']} | {t['figure']} | <= {t['target']} | {_fmt(t['value'])} "
-            f"| {_fmt(t['met']) if t['met'] is not None else 'not measured'} "
-            f"| {_fmt(t['vs_dense_masked'])} |"
-        )
+    for t in issue14_rows(report):
+        met = _fmt(t["met"]) if t["met"] is not None else "not measured"
+        lines.append(f"| {t['figure']} | <= {t['target']} | {_fmt(t['value'])} | {met} |")
+    lr = long_rows(report)
+    if lr:
+        lines += [
+            "",
+            "### Long sequences (batch 1, 2 heads; full attention compiled, not run)",
+            "",
+            "| what | n | attention | temp GiB | temp / full | one step s | peak RSS GiB | note |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in lr:
+            lines.append(
+                f"| {r['what']} | {r['n']} | {r['kind']} | {_fmt(r['temp_gib'])} "
+                f"| {_fmt(r.get('vs_full'))} | {_fmt(r['s'])} | {_fmt(r['rss'])} "
+                f"| {r['note']} |"
+            )
+    calib = [r for r in report["results"] if r["section"] == "calibrate"]
+    if calib:
+        lines += ["", "### Cost-model calibration", ""]
+        for r in calib:
+            for kernel, cost in r.get("edge_cost", {}).items():
+                lines.append(
+                    f"- n={r['n']}, density {r['density']}, kernel {kernel}: edge cost "
+                    f"{_fmt(cost)} dense-path pairs per slot (sparse overflow: "
+                    f"{r[kernel].get('overflow')}); the table in use (rows) has "
+                    f"{cfg.get('edge_cost_rows')}."
+                )
+    i4 = issue4_rows(report)
+    if any(t["value"] is not None for t in i4):
+        lines += [
+            "",
+            "### Issue-4 kernel targets (n=4096)",
+            "",
+            "| kernel | figure | target | measured | met | vs our dense_masked_attention |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in i4:
+            met = _fmt(t["met"]) if t["met"] is not None else "not measured"
+            lines.append(
+                f"| {t['impl']} | {t['figure']} | <= {t['target']} | {_fmt(t['value'])} "
+                f"| {met} | {_fmt(t['vs_dense_masked'])} |"
+            )
     lines += [
         "",
         "### All measurements",
@@ -708,18 +1050,30 @@ def markdown(report: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Markers of the block this script owns in the markdown file; text outside them (other
+#: sections, hand-written notes) is kept. The older generic markers are still found.
+BEGIN = "<!-- BEGIN GENERATED: scripts/benchmark_attention.py -->"
+END = "<!-- END GENERATED: scripts/benchmark_attention.py -->"
+_OLD_MARKERS = ("<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->")
+
+
 def write_markdown(path: Path, body: str) -> None:
-    """Replace the generated block of ``path`` (keeping hand-written text around it)."""
+    """Replace this script's generated block of ``path``, keeping everything around it
+    (other sections and generated blocks with other markers); append the block when the
+    file has none."""
     block = f"{BEGIN}\n{body}{END}\n"
-    if path.exists():
-        text = path.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            tail = rest.split(END, 1)[1].lstrip("\n")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Attention benchmarks\n\n" + block)
+        return
+    text = path.read_text()
+    for begin, end in ((BEGIN, END), _OLD_MARKERS):
+        if begin in text and end in text.split(begin, 1)[1]:
+            head, rest = text.split(begin, 1)
+            tail = rest.split(end, 1)[1].lstrip("\n")
             path.write_text(head + block + ("\n" + tail if tail else ""))
             return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# Attention benchmarks\n\n" + block)
+    path.write_text(text.rstrip("\n") + "\n\n" + block)
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -728,16 +1082,21 @@ def print_table(report: dict[str, Any]) -> None:
     for r in ratio_rows(report):
         if "ms" not in r:
             dens = _fmt(r.get("density"))
-            print(f"{r['section']:7s} {r['n']:5d} {dens:8s} {r['what']:30s} {r['note']}")
+            print(f"{r['section']:7s} {r['n']:5d} {dens:8s} {r['what']:30s} {r.get('note', '')}")
             continue
         print(
             f"{r['section']:7s} {r['n']:5d} {_fmt(r.get('density')):8s} {r['what']:30s} "
             f"{r['ms']:9.1f} {_fmt(r.get('time_vs_dense')):>8s} {r['temp_mib']:9.1f} "
             f"{_fmt(r.get('temp_vs_dense')):>7s}"
         )
-    print("\nissue-4 targets at n=4096:")
-    for t in target_rows(report):
-        print(f"  {t['impl']:8s} {t['figure']:55s} <= {t['target']:<5} {_fmt(t['value'])}")
+    for r in long_rows(report):
+        print(
+            f"{r['what']} n={r['n']} {r['kind']}: temp {_fmt(r['temp_gib'])} GiB, "
+            f"vs full {_fmt(r.get('vs_full'))}, {_fmt(r['s'])} s {r['note']}"
+        )
+    print("\nissue-14 targets:")
+    for t in issue14_rows(report):
+        print(f"  {t['figure']:72s} <= {t['target']:<5} {_fmt(t['value'])}")
 
 
 def main(argv=None) -> None:

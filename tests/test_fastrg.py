@@ -395,3 +395,33 @@ def test_counts_on_rows_without_weight_give_no_edges():
     keys = np.asarray(sample_edge_keys(jax.random.PRNGKey(0), plan, counts, capacity=10))
     rows = keys[keys != N * M] // M
     assert rows.size > 0 and np.all(rows == 0)
+
+
+def test_edge_probs_straight_through_with_one_edge_list_shared_across_a_mapped_axis():
+    # One edge list (rows, cols, valid unbatched) for several graphs (ys, z batched):
+    # each graph's gradient is its own, not the sum over the mapped axis.
+    from sbm_jax.fastrg import edge_probs_straight_through
+
+    rows = jnp.array([0, 0, 1, 2, 2], jnp.int32)
+    cols = jnp.array([1, 2, 0, 0, 2], jnp.int32)
+    valid = jnp.array([True, True, True, True, False])
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    ys = jax.random.uniform(ks[0], (4, 3, 2))  # 4 graphs, n=3, k=2
+    z = jax.random.uniform(ks[1], (4, 3, 3))  # m=3, K=k+1
+    w = jax.random.normal(ks[2], (4, 5))
+
+    def loss(ys, z):
+        one = lambda a, b, ww: edge_probs_straight_through(a, b, rows, cols, valid) * ww  # noqa: E731
+        return jnp.sum(jax.vmap(one)(ys, z, w))
+
+    def reference(ys, z):  # sum over graphs of w_e * p_e, p_e = ys[row] . z[col, :k]
+        p = jnp.einsum("grk,grk->gr", ys[:, rows], z[:, cols, :2])
+        return jnp.sum(jnp.where(valid, p, 0.0) * w)
+
+    got = jax.grad(loss, argnums=(0, 1))(ys, z)
+    want = jax.grad(reference, argnums=(0, 1))(ys, z)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(got[1])[..., 2] == 0.0), "the exploration column gets none"
+    fwd = jax.vmap(lambda a, b: edge_probs_straight_through(a, b, rows, cols, valid))(ys, z)
+    np.testing.assert_array_equal(fwd, jnp.broadcast_to(valid.astype(jnp.float32), (4, 5)))

@@ -235,14 +235,53 @@ def test_bad_arguments_are_named():
 
 
 def test_cost_model_marks_buckets_by_closed_form():
-    from sbm_jax.kernels.cost import SLOT_COST_IN_DENSE_SCORES, sparse_buckets_worth_it
+    from sbm_jax.kernels.cost import EDGE_COST, edge_cost, sparse_buckets_worth_it
 
     n = m = 1000
-    dense = n * m * (1 + 128 / 64)  # attention + the n m k probability matrix
-    per_slot = SLOT_COST_IN_DENSE_SCORES["rows"]
     caps = (n * m // 64, n * m // 16, n * m // 4, n * m)
-    got = sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="rows")
-    assert got == tuple(c * per_slot < dense for c in caps)
-    assert got[0] and not got[-1]
+    for backend in ("cpu", "gpu", "tpu"):
+        per_slot = EDGE_COST[backend]["rows"]
+        got = sparse_buckets_worth_it(caps, n, m, kernel="rows", backend=backend)
+        # A bucket runs sparse iff its slots cost less than the dense path's n*m pairs.
+        assert got == tuple(c * per_slot < n * m for c in caps)
+        assert got[0] and not got[-1]
+        assert edge_cost("rows", backend) == per_slot
+    # An explicit slot cost (SBMAttention.edge_cost) overrides the calibration.
+    got = sparse_buckets_worth_it(caps, n, m, kernel="rows", slot_cost=3.9)
+    assert got == (True, True, True, False)
+    assert edge_cost("rows", "some_new_backend") == EDGE_COST["gpu"]["rows"]
     with pytest.raises(ValueError, match="kernel='nope'"):
-        sparse_buckets_worth_it(caps, n, m, head_dim=32, num_clusters=128, kernel="nope")
+        sparse_buckets_worth_it(caps, n, m, kernel="nope", backend="cpu")
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_rows_kernel_keeps_float32_scores_under_bf16(scale):
+    # bf16 inputs (exactly representable), against float32 compute on the same values:
+    # the scores, softmax statistics and accumulation must be float32, so the only error
+    # left is the final rounding of the output (and gradients) to bf16 (2^-8 relative).
+    # With bf16 scores the error was ~1e-2 at unit scale and ~0.35 at 3x.
+    mask = _mask(5, 0.6)
+    edges = _edges(mask, extra_slots=4)
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    q, k, v = (
+        (scale * jax.random.normal(kk, s)).astype(jnp.bfloat16)
+        for kk, s in zip(ks[:3], [(N, 32), (M, 32), (M, DV)], strict=True)
+    )
+    g = jax.random.normal(ks[3], (N, DV))
+
+    def run(q, k, v):
+        fn = lambda q, k, v: jnp.sum(  # noqa: E731
+            rows_edge_attention(q, k, v, edges).astype(jnp.float32) * g
+        )
+        return rows_edge_attention(q, k, v, edges), jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = run(q, k, v)
+    ref_out, ref_grads = run(*(a.astype(jnp.float32) for a in (q, k, v)))
+    assert out.dtype == jnp.bfloat16 and all(gr.dtype == jnp.bfloat16 for gr in grads)
+    # Independent float64 check of the float32 run.
+    np.testing.assert_allclose(
+        ref_out, _naive(q, k, v, edges, np.ones(edges.capacity)), rtol=1e-4, atol=1e-4
+    )
+    for low, high in zip((out, *grads), (ref_out, *ref_grads), strict=True):
+        low, high = np.asarray(low, np.float32), np.asarray(high)
+        np.testing.assert_allclose(low, high, rtol=2**-7, atol=2**-7 * np.abs(high).max())

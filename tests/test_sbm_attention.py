@@ -15,6 +15,7 @@ from sbm_jax.attention.sbm import (
     sbm_attention_core,
 )
 from sbm_jax.fastrg import dense_probs, make_plan
+from tests.sbm_testing import same_graphs_dense_loss
 
 B, L, D = 2, 16, 8
 MASK = jnp.arange(L)[None, :] < jnp.array([[16], [11]])
@@ -334,75 +335,47 @@ def _core_case(seed: int = 0):
     return q, k, v, qm, blk, km, g, wd
 
 
-def _same_graphs_dense_loss(rng, q, k, v, qm, blk, km, g, wd, *, law, delta, capacity, dense):
-    """Independent reference: per (example, head), dense ``p = Qhat S Khat^T`` and
-    ``dense_masked_attention`` on the graph the layer samples (same rng derivation)."""
-    from sbm_jax.edge_ops import dense_masked_attention
-    from sbm_jax.fastrg import sample_dense_mask, sample_from_plan
-
-    batch, heads = q.shape[:2]
-    k_count, k_sample = jax.random.split(rng)
-    keys = jax.random.split(k_sample, (batch, heads))
-    plans = jax.vmap(
-        jax.vmap(
-            lambda a, s_, c, mk: make_plan(a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law),
-            in_axes=(0, 0, 0, None),
-        ),
-        in_axes=(0, None, 0, 0),
-    )(qm, blk, km, MASK)
-    counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
-
-    def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
-        if dense:
-            return sample_dense_mask(key, dense_probs(plan), delta, q_mask, q_mask, law)
-        e = sample_from_plan(key, plan, count, capacity=capacity, law=law)
-        return jnp.zeros((L, L), bool).at[e.rows, e.cols].max(e.valid)
-
-    masks = np.asarray(
-        jax.jit(jax.vmap(jax.vmap(graph, in_axes=(0, 0, 0, None))))(keys, plans, counts, MASK)
-    )
-
-    real_mask = np.asarray(MASK)  # numpy: the loss below is traced under jit
-
-    def loss(q, k, v, qm, blk, km):
-        total = 0.0
-        for b in range(batch):
-            real = np.outer(real_mask[b], real_mask[b])
-            for hh in range(heads):
-                mq = qm[b, hh] * real_mask[b][:, None]
-                mk = km[b, hh] * real_mask[b][:, None]
-                p = mq @ blk[hh] @ mk.T
-                scale = 1.0 + (p - jax.lax.stop_gradient(p))  # eq. 9, per pair
-                mask = jnp.asarray(masks[b, hh])
-                out = dense_masked_attention(q[b, hh], k[b, hh], v[b, hh], mask, scale=scale)
-                density = jnp.sum(jnp.where(mask, scale, 0.0)) / real.sum()
-                total = total + jnp.sum(out * g[b, hh]) + wd[b, hh] * density
-        return total
-
-    return loss, masks
-
-
 @pytest.mark.parametrize(
-    "law, kernel, per_step, impl",
+    "law, kernel, per_step, impl, ste, forced",
     [
-        ("bernoulli", "rows", 1, "sparse"),
+        ("bernoulli", "rows", 1, "sparse", "paper", None),
         # vmap over heads (the accelerator path); the STE's vmap is also checked in
         # tests/test_fastrg.py, so this compile-heavy case runs with the slow tests.
-        pytest.param("poisson", "segment", None, "sparse", marks=pytest.mark.slow),
-        ("bernoulli", "segment", None, "dense"),
+        pytest.param("poisson", "segment", None, "sparse", "paper", None, marks=pytest.mark.slow),
+        ("bernoulli", "segment", None, "dense", "paper", None),
+        ("poisson", "rows", 1, "dense", "paper", (True, 0)),
+        # The released code's estimator (issue 15) on every path.
+        ("bernoulli", "rows", 1, "sparse", "reference", None),
+        pytest.param(
+            "bernoulli", "segment", None, "sparse", "reference", (True, 0), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "bernoulli", "rows", None, "sparse", "reference", (False, 4), marks=pytest.mark.slow
+        ),
+        ("bernoulli", "rows", 1, "dense", "reference", None),
+        ("bernoulli", "rows", None, "dense", "reference", (False, 4)),
     ],
 )
-def test_core_gradients_match_dense_reference_per_head(monkeypatch, law, kernel, per_step, impl):
+def test_core_gradients_match_dense_reference_per_head(
+    monkeypatch, law, kernel, per_step, impl, ste, forced
+):
     # The whole core (plan, fastRG, STE of p via SpMMs, kernel, density) under grad, with
     # B*H = 4 graphs: every head's gradient must be its own (no sum over heads), heads
     # processed all at once (vmap) or one at a time (lax.map), the sparse path saving
-    # only the edge keys for its backward pass.
+    # only the edge keys for its backward pass. The reference estimator's cases zero two
+    # query rows' memberships with delta = 0 (empty rows) and scale the cotangents up so
+    # that the clip to [-1, 1] is active on many edges.
     import sbm_jax.attention.sbm as sbm_mod
 
     monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: per_step)
     q, k, v, qm, blk, km, g, wd = _core_case()
-    rng, delta, buckets = jax.random.PRNGKey(3), 0.05, (0.5,)
+    delta = 0.05
+    if ste == "reference":
+        qm = qm.at[:, :, jnp.array([2, 9])].set(0.0)
+        delta, g, wd = 0.0, 10.0 * g, 40.0 * wd
+    rng, buckets = jax.random.PRNGKey(3), (0.5,)
     cap = bucket_capacities(buckets, L, L)[0]
+    self_loops, window = forced if forced is not None else (False, 0)
 
     def core_loss(q, k, v, qm, blk, km):
         out, st = sbm_attention_core(
@@ -419,20 +392,37 @@ def test_core_gradients_match_dense_reference_per_head(monkeypatch, law, kernel,
             capacity_buckets=buckets,
             impl=impl,
             kernel=kernel,
+            self_loops=self_loops,
+            window=window,
             max_dense_elements=2**31 if impl == "dense" else 1,
+            ste=ste,
         )
-        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), st
+        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), (st, out)
 
     args = (q, k, v, qm, blk, km)
-    (val, st), grads = jax.jit(
+    (val, (st, out)), grads = jax.jit(
         jax.value_and_grad(core_loss, argnums=tuple(range(6)), has_aux=True)
     )(*args)
-    ref_loss, masks = _same_graphs_dense_loss(
-        rng, *args, g, wd, law=law, delta=delta, capacity=cap, dense=impl == "dense"
+    ref_loss, masks = same_graphs_dense_loss(
+        rng,
+        *args,
+        g,
+        wd,
+        law=law,
+        delta=delta,
+        capacity=cap,
+        mask=MASK,
+        dense=impl == "dense",
+        ste=ste,
+        forced=forced,
     )
     assert int(st["path"]) == (1 if impl == "dense" else 0)
     assert not np.asarray(st["overflow"]).any()
     np.testing.assert_array_equal(st["edges"], masks.sum((2, 3)))  # the same graphs
+    empty = ~masks.any(-1)  # [B, H, L]: padded rows, and the zeroed rows without forced edges
+    assert np.all(np.asarray(out)[empty] == 0.0), "rows without an edge output exactly 0"
+    if ste == "reference" and forced is None:
+        assert empty[:, :, [2, 9]].all() and empty.sum() > 2 * 4 * 2
     ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(6))))(*args)
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     for name, a, b in zip(
@@ -467,3 +457,138 @@ def test_backward_pass_does_not_rerun_fastrg():
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, qm).as_text()
     assert hlo.count("stablehlo.sort") == len(buckets)
+
+
+def _projections(params, x):
+    """The layer's q, k, v ``[B, H, L, hd]`` and memberships, block, recomputed from its
+    parameters (eqs. 5-7), as :func:`_memberships` does."""
+    p = params
+    proj = {
+        name: jnp.einsum("bld,dhe->bhle", x, p[name]["kernel"]) + p[name]["bias"][None, :, None, :]
+        for name in ("query", "key", "value")
+    }
+    qm, s, km = _memberships(None, params, x)
+    return proj["query"], proj["key"], proj["value"], qm, s, km
+
+
+@pytest.mark.parametrize("impl", ["dense", pytest.param("sparse", marks=pytest.mark.slow)])
+def test_layer_reference_estimator_matches_the_released_code_per_parameter(monkeypatch, impl):
+    # SBMAttention(ste="reference") against the released code written out in this file
+    # (_reference_attention: softmax over real keys, times the mask, L1-renormalised,
+    # hardtanh backward, density inside it), composed with the layer's projections:
+    # forward and every parameter's gradient, with padding (example 1's padded rows have
+    # no edge). Real rows without an edge are covered by the core test above.
+    import sbm_jax.attention.sbm as sbm_mod
+
+    seen = {}
+    core = sbm_mod.sbm_attention_core
+
+    def spy(rng, *args, **kwargs):  # the layer's sample key, to rebuild its graphs
+        seen["rng"] = rng
+        return core(rng, *args, **kwargs)
+
+    monkeypatch.setattr(sbm_mod, "sbm_attention_core", spy)
+    mod = _module(impl=impl, ste="reference", delta=0.0)
+    x = _x(6)
+    params = _init(mod, x)
+    big = jax.random.normal(jax.random.PRNGKey(11), (B, L, D)) * 8.0  # clip active
+    wd = 50.0
+
+    def loss(params):
+        y, st = mod.apply(
+            {"params": params},
+            x,
+            MASK,
+            deterministic=False,
+            rngs={"sample": jax.random.PRNGKey(12)},
+            mutable=[STATS_COLLECTION],
+        )
+        st = st[STATS_COLLECTION]
+        return jnp.sum(y * big) + wd * jnp.mean(st["density"][0]), (y, st)
+
+    (val, (y, st)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    assert int(st["path"][0]) == (1 if impl == "dense" else 0)
+    q, k, v, qm, s, km = _projections(params, x)
+    ref_loss, masks = same_graphs_dense_loss(
+        seen["rng"],
+        q,
+        k,
+        v,
+        qm,
+        s,
+        km,
+        None,
+        None,
+        law="bernoulli",
+        delta=0.0,
+        capacity=bucket_capacities((0.5,), L, L)[0],
+        mask=MASK,
+        dense=impl == "dense",
+        ste="reference",
+    )
+    np.testing.assert_array_equal(st["edges"][0], masks.sum((2, 3)))
+
+    def ref(params):
+        q, k, v, qm, s, km = _projections(params, x)
+        out, density = ref_loss.heads_fn(q, k, v, qm, s, km)
+        y = jnp.einsum("bhld,hdo->blo", out, params["out"]["kernel"]) + params["out"]["bias"]
+        return jnp.sum(y * big) + wd * jnp.mean(density), y
+
+    (ref_val, ref_y), ref_grads = jax.value_and_grad(ref, has_aux=True)(params)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(grads):
+        b = ref_grads
+        for key in path:
+            b = b[key.key]
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=str(path))
+    for name in ("clusters", "mlp_w1", "mlp_w2", "query", "key", "value"):
+        assert any(np.abs(np.asarray(t)).sum() > 0 for t in jax.tree.leaves(grads[name])), name
+
+
+def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
+    from sbm_jax.attention.sbm import plan_paths
+
+    # Module: neither a bucket (max_edge_slots) nor the dense path (max_dense_elements).
+    mod = _module(max_dense_elements=10, max_edge_slots=100)
+    need_slots = 2 * 2 * bucket_capacities((0.5,), L, L)[0]  # batch * heads * capacity
+    with pytest.raises(
+        ValueError, match=rf"{need_slots} slots, over max_edge_slots=100.*{4 * L * L}"
+    ):
+        mod.init({"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}, _x(), MASK)
+    # A length whose n*m overflows the int32 edge keys, with the dense path ruled out.
+    with pytest.raises(ValueError, match="length=50000"):
+        plan_paths(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,), max_dense_elements=0)
+    # With the dense path allowed the same length runs dense (streamed), no bucket built.
+    big = dict(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,))
+    assert plan_paths(**big, max_dense_elements=2**40) == ((), True)
+    # max_edge_slots drops the buckets that do not fit, the largest first.
+    caps, dense = plan_paths(
+        batch=1, heads=2, length=32768, capacity_buckets=(1 / 64, 1 / 16, 1 / 4), impl="sparse"
+    )
+    assert caps == (32768**2 // 64,) and dense
+
+
+def test_overflow_is_sown_for_the_trainer_when_the_dense_path_is_ruled_out():
+    # The trainer reads variables["attention_stats"]["overflow"] ([batch, heads] bool per
+    # call). With the dense path ruled out (max_dense_elements=0), one run with a bucket
+    # of n*m slots (poisson law: no overflow possible below n*m draws, and the expected
+    # draws are ~density * n*m) counts each graph's distinct edges, a lower bound on its
+    # draws; the same key (same draws) with a bucket below that bound must flag every
+    # graph and keep at most the bucket's capacity of edges.
+    x = _x()
+    base = _module(max_dense_elements=0, edge_law="poisson")
+    params = _init(base, x)
+    key = jax.random.PRNGKey(3)
+    _, mut = _apply(base.clone(capacity_buckets=(1.0,)), params, x, key)
+    assert not np.asarray(mut[STATS_COLLECTION]["overflow"][0]).any()
+    edges_all = np.asarray(mut[STATS_COLLECTION]["edges"][0])
+    tiny = base.clone(capacity_buckets=(1 / 256,))
+    cap = bucket_capacities((1 / 256,), L, L)[0]
+    assert edges_all.min() > cap, (edges_all, cap)  # the test needs draws above the bucket
+    _, mut = _apply(tiny, params, x, key)
+    (overflow,) = mut[STATS_COLLECTION]["overflow"]
+    (edges,) = mut[STATS_COLLECTION]["edges"]
+    assert overflow.shape == (B, 2) and overflow.dtype == jnp.bool_
+    assert int(np.asarray(overflow).sum()) == B * 2  # the count the trainer sums
+    assert np.asarray(edges).max() <= cap  # edges beyond the bucket were lost, and flagged

@@ -115,6 +115,7 @@ def attention_options(mechanism: str, seq_len: int, scale: str) -> ml_collection
         # (CPU runs, n <= 1024) dense is the faster path there; the graph law is the same.
         o.dense_below = seq_len * seq_len if scale == "reduced" else 0
         o.cluster_init = "paper"  # cluster-embedding init: kaiming normal (paper appendix C)
+        o.ste = "paper"  # mask estimator: "paper" (eq. 9) or "reference" (released code)
     elif mechanism == "nystromformer":
         o.num_landmarks = 4 if small else 256  # landmarks (paper: 256)
         o.conv_kernel_size = 3 if small else 35  # depthwise conv on values (reference: 35)

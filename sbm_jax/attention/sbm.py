@@ -8,9 +8,11 @@ sampled edges whose scores carry the straight-through estimator of ``p`` (eq. 9)
 Path choice (outside any ``vmap``, one scalar for the whole batch): the Poisson draw
 counts are drawn first; the smallest capacity bucket that holds the largest count runs
 under ``lax.switch``; above the largest bucket (or where the bernoulli law's bound is
-too close to 1) the dense path runs, which samples the same law on an ``n x m`` mask.
-No edge is ever dropped unless the dense path was ruled out by ``max_dense_elements``;
-then ``overflow`` is recorded.
+too close to 1) the dense path runs, which samples the same law pair by pair, streamed
+over blocks of query rows (:mod:`sbm_jax.kernels.dense`: no ``n x m`` array in the
+forward or the backward pass). No edge is ever dropped unless the dense path was ruled
+out by ``max_dense_elements``; then the per-call ``overflow`` stat counts the graphs
+whose draws exceeded the largest bucket.
 """
 
 from __future__ import annotations
@@ -26,26 +28,25 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax.attention.registry import STATS_COLLECTION, register
-from sbm_jax.edge_ops import (
-    EDGE_KERNEL_RESIDUAL_NAMES,
-    dense_masked_attention,
-    edge_attention,
-)
+from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
 from sbm_jax.fastrg import (
     THIN_BUDGET,
     SamplingPlan,
     check_law,
-    dense_probs,
     edge_probs_straight_through,
     edges_from_keys,
     make_plan,
     needs_dense,
-    sample_dense_mask,
     sample_edge_keys,
 )
-from sbm_jax.ste import straight_through
+from sbm_jax.kernels import KERNELS
+from sbm_jax.kernels.cost import sparse_buckets_worth_it
+from sbm_jax.kernels.dense import streamed_sbm_attention
+from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
 
 IMPLS = ("auto", "sparse", "dense")
+#: Edge kernels the sparse branches can use (``SBMAttention.kernel``).
+EDGE_KERNELS = ("segment", *KERNELS)
 
 
 def bucket_capacities(fractions: Sequence[float], n: int, m: int) -> tuple[int, ...]:
@@ -127,8 +128,9 @@ def _sparse_head(
     self_loops,
     window,
     rate,
-    kernel="segment",
+    kernel="rows",
     thin_budget=None,
+    ste="paper",
 ):
     n, m = plan.y.shape[0], plan.z.shape[0]
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
@@ -137,30 +139,51 @@ def _sparse_head(
     )
     keys = checkpoint_name(keys, "sbm_edge_keys")
     edges = edges_from_keys(keys, n, m)
-    # straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z.
-    scale = edge_probs_straight_through(plan.ys, plan.z, edges.rows, edges.cols, edges.valid)
+    real = _real_pairs(plan.q_mask, plan.k_mask)
+    # M_ste = straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z;
+    # the released code's estimator clips its cotangent (attention + density) first.
+    m_ste = edge_probs_straight_through(plan.ys, plan.z, edges.rows, edges.cols, edges.valid)
+    if ste == "reference":
+        m_ste = clip_cotangent(m_ste)
     out = edge_attention(
-        q, k, v, edges, edge_scale=scale, dropout_rate=rate, dropout_rng=drop_key, impl=kernel
+        q,
+        k,
+        v,
+        edges,
+        **edge_logit_terms(m_ste, ste),
+        dropout_rate=rate,
+        dropout_rng=drop_key,
+        impl=kernel,
     )
-    density = jnp.sum(jnp.where(edges.valid, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
+    density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / real
     return out, density, edges.num_edges, jnp.sum(count) > capacity
 
 
 def _dense_head(
-    key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate
+    key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate, ste
 ):
+    # Streamed over blocks of query rows: p, mask, scores and weights exist one block at
+    # a time, forward and backward (sbm_jax.kernels.dense).
     del count
-    p = dense_probs(plan)
-    mask = sample_dense_mask(key, p, plan.delta, plan.q_mask, plan.k_mask, law)
-    forced = forced_edge_mask(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
-    if forced is not None:
-        mask = mask | forced
-    scale = straight_through(p)
-    out = dense_masked_attention(
-        q, k, v, mask, scale=scale, dropout_rate=rate, dropout_rng=drop_key
+    kc = plan.ys.shape[1]
+    out, num = streamed_sbm_attention(
+        key,
+        q,
+        k,
+        v,
+        plan.ys,
+        plan.z[:, :kc],
+        plan.q_mask,
+        plan.k_mask,
+        plan.delta,
+        law=law,
+        ste=ste,
+        forced_half=_forced_half_width(self_loops, window),
+        dropout_rate=rate,
+        dropout_rng=drop_key if rate > 0.0 else None,
     )
-    density = jnp.sum(jnp.where(mask, scale, 0.0)) / _real_pairs(plan.q_mask, plan.k_mask)
-    return out, density, jnp.sum(mask).astype(jnp.int32), jnp.asarray(False)
+    density = num / _real_pairs(plan.q_mask, plan.k_mask)
+    return out, density, jax.lax.stop_gradient(num).astype(jnp.int32), jnp.asarray(False)
 
 
 def _over_batch_and_heads(fn):
@@ -199,6 +222,75 @@ def map_over_heads(fn, heads_per_step: int | None):
     return run
 
 
+def plan_paths(
+    *,
+    batch: int,
+    heads: int,
+    length: int,
+    capacity_buckets: Sequence[float],
+    impl: str = "auto",
+    kernel: str = "rows",
+    dense_below: int = 0,
+    edge_cost: float | None = None,
+    max_dense_elements: int = 2**31,
+    max_edge_slots: int = 2**26,
+    forced_per_row: int = 0,
+    backend: str | None = None,
+) -> tuple[tuple[int, ...], bool]:
+    """Static path choice: ``(sparse capacities compiled, dense branch compiled)``.
+
+    ``impl="dense"`` compiles the dense branch only; ``"sparse"`` every bucket (and the
+    dense branch above them); ``"auto"`` also drops the buckets the cost model
+    (:func:`sbm_jax.kernels.cost.sparse_buckets_worth_it`, ``edge_cost`` overriding its
+    calibration) says cost more than the dense branch, and runs sequences with
+    ``n*m <= dense_below`` dense. The dense branch is compiled only when
+    ``batch*heads*n*m <= max_dense_elements``; a sparse bucket only when its slots over
+    the batch, ``batch*heads*(capacity + forced_per_row*n)``, are at most
+    ``max_edge_slots`` (a lax.switch reserves its largest branch's memory, ~20-30
+    bytes per slot) and ``n*m`` fits the int32 edge keys.
+
+    Raises a ValueError naming the fields and the sizes they would need, before anything
+    is compiled, when no path is left.
+    """
+    n = m = length
+    pairs = batch * heads * n * m
+    dense_allowed = pairs <= max_dense_elements
+    dense_hint = (
+        f"max_dense_elements={max_dense_elements} rules out the dense path, which needs "
+        f"max_dense_elements >= batch*heads*n*m = {pairs}"
+    )
+    if impl == "dense":
+        if not dense_allowed:
+            raise ValueError(f"impl='dense': {dense_hint}; raise it, or use impl='auto'")
+        return (), True
+    if n * m >= 2**31 - 1:  # sparse edge keys row * m + col are int32
+        if not dense_allowed:
+            raise ValueError(
+                f"length={length}: the sparse buckets' int32 edge keys need n*m < 2**31 - 1 "
+                f"(n*m = {n * m}), and {dense_hint}: raise max_dense_elements or shorten "
+                "the sequence"
+            )
+        return (), True
+    all_caps = bucket_capacities(capacity_buckets, n, m)
+    caps = tuple(c for c in all_caps if batch * heads * (c + forced_per_row * n) <= max_edge_slots)
+    if not caps and not dense_allowed:
+        need = batch * heads * (all_caps[0] + forced_per_row * n)
+        raise ValueError(
+            f"no path fits batch={batch}, length={length}: the smallest sparse bucket "
+            f"(capacity_buckets[0]={capacity_buckets[0]}) needs batch*heads*slots = {need} "
+            f"slots, over max_edge_slots={max_edge_slots}, and {dense_hint}; raise "
+            "max_edge_slots or max_dense_elements, or lower the batch or the length"
+        )
+    if impl == "auto" and dense_allowed:
+        if n * m <= dense_below:
+            return (), True
+        worth = sparse_buckets_worth_it(
+            caps, n, m, kernel=kernel, backend=backend, slot_cost=edge_cost
+        )
+        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)
+    return caps, dense_allowed
+
+
 def sbm_attention_core(
     rng: jax.Array,
     q: jax.Array,
@@ -216,33 +308,43 @@ def sbm_attention_core(
     self_loops: bool = False,
     window: int = 0,
     dense_below: int = 0,
-    edge_cost: float = 1.0,
+    edge_cost: float | None = None,
     max_dense_elements: int = 2**31,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
-    kernel: str = "segment",
+    kernel: str = "rows",
+    ste: str = "paper",
+    max_edge_slots: int = 2**26,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sample one graph per (example, head) and attend over it. Pure function.
 
     Shapes: ``q, k, v [B, H, L, d]``, ``q_memberships, k_memberships [B, H, L, k]``,
     ``block [H, k, k]``, ``mask [B, L]`` bool. Returns ``out [B, H, L, d]`` and stats:
-    ``density [B, H]`` (differentiable through the STE), ``edges [B, H]``,
-    ``overflow [B, H]``, ``path []`` (bucket index; ``len(capacity_buckets)`` = dense).
+    ``density [B, H]`` (differentiable through the estimator ``ste``), ``edges [B, H]``,
+    ``overflow [B, H]`` bool (that graph's draws exceeded the largest bucket, so edges
+    were lost: only possible when ``max_dense_elements`` rules out the dense path),
+    ``path []`` (bucket index into ``capacity_buckets``; ``len(capacity_buckets)`` = the
+    dense path). See :func:`plan_paths` for the static path choice.
     """
     check_law(law)
+    check_ste(ste)
     batch, heads, length, _ = q.shape
-    caps = bucket_capacities(capacity_buckets, length, length)
-    dense_index = len(caps)  # the recorded path of the dense branch
-    dense_allowed = batch * heads * length * length <= max_dense_elements
-    if impl == "auto" and dense_allowed:
-        # Cost model: a sparse bucket runs only where its edges cost less than the dense
-        # path's n*m pairs; costlier buckets are left to the dense path.
-        caps = tuple(c for c in caps if c * edge_cost < length * length)
-    if impl == "dense" and not dense_allowed:
-        raise ValueError(
-            f"impl='dense' needs batch*heads*n*m = {batch * heads * length * length} mask "
-            f"entries, over max_dense_elements={max_dense_elements}"
-        )
+    forced_half = _forced_half_width(self_loops, window)
+    all_caps = bucket_capacities(capacity_buckets, length, length)
+    dense_index = len(all_caps)  # the recorded path of the dense branch
+    caps, dense_allowed = plan_paths(
+        batch=batch,
+        heads=heads,
+        length=length,
+        capacity_buckets=capacity_buckets,
+        impl=impl,
+        kernel=kernel,
+        dense_below=dense_below,
+        edge_cost=edge_cost,
+        max_dense_elements=max_dense_elements,
+        max_edge_slots=max_edge_slots,
+        forced_per_row=0 if forced_half is None else 2 * forced_half + 1,
+    )
 
     def plan_one(qm, blk, km, qmask, kmask):
         return make_plan(qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law)
@@ -252,9 +354,6 @@ def sbm_attention_core(
     )
 
     k_count, k_sample = jax.random.split(rng)
-    # Draws per query row ([B, H, n]): the sampler fills its slots row by row.
-    row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
-    counts = jnp.sum(row_counts, axis=-1)
     sample_keys = jax.random.split(k_sample, (batch, heads))
     if dropout_rng is not None and dropout_rate > 0.0:
         drop_keys = jax.random.split(dropout_rng, (batch, heads))
@@ -262,41 +361,46 @@ def sbm_attention_core(
     else:
         drop_keys = sample_keys  # unused when rate == 0
         rate = 0.0
-    common = dict(law=law, self_loops=self_loops, window=window, rate=rate)
-    operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
+    common = dict(law=law, self_loops=self_loops, window=window, rate=rate, ste=ste)
+    per_step = sparse_heads_per_step()
+    dense_fn = map_over_heads(partial(_dense_head, **common), per_step)
 
-    dense_fn = _over_batch_and_heads(partial(_dense_head, **common))
-    use_dense_only = impl == "dense" or (
-        impl == "auto" and dense_allowed and (length * length <= dense_below or not caps)
-    )
-    if use_dense_only:
+    if not caps:  # the dense path only
+        # Draws per query row are not needed: the dense path draws pair by pair.
+        row_counts = jnp.zeros(plans.row_rate.shape, jnp.int32)
+        operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
         out, density, edges, overflow = dense_fn(*operands)
         path = jnp.asarray(dense_index, jnp.int32)
     else:
-        per_step = sparse_heads_per_step()
+        # Draws per query row ([B, H, n]): the sampler fills its slots row by row.
+        row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
+        counts = jnp.sum(row_counts, axis=-1)
+        operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
         # One head at a time, the thinning's lax.cond really skips work; under vmap (any
         # batch of heads) it would run both branches, so p_e is computed on every slot.
         thin_budget = THIN_BUDGET if per_step == 1 else None
-        branches = [
-            jax.checkpoint(
-                map_over_heads(
-                    partial(
-                        _sparse_head,
-                        capacity=c,
-                        kernel=kernel,
-                        thin_budget=thin_budget,
-                        **common,
-                    ),
-                    per_step,
-                ),
-                policy=SPARSE_BRANCH_POLICY,
+
+        # Checkpointed per head *and* per branch. Per head: the scan over heads keeps
+        # only each head's sampled keys (and the kernel's output and log-normaliser), and
+        # the backward pass rebuilds a head's edge list inside that head's iteration;
+        # with the branch-level checkpoint alone, the rematerialised scan stacked every
+        # head's [C] residuals (edge list, layout) over the heads. Per branch: the switch
+        # then carries only the named values. Measured at n=4096, 5% (B=2, H=2, fwd+bwd,
+        # CPU): 0.80 -> 0.68 of the full layer's time; n=32768, 1%, B=1: temp 1.74 ->
+        # 1.43 GiB.
+        def branch(c):
+            head = partial(
+                _sparse_head, capacity=c, kernel=kernel, thin_budget=thin_budget, **common
             )
-            for c in caps
-        ]
+            per_head = jax.checkpoint(head, policy=SPARSE_BRANCH_POLICY)
+            return jax.checkpoint(map_over_heads(per_head, per_step), policy=SPARSE_BRANCH_POLICY)
+
+        branches = [branch(c) for c in caps]
         force_dense = jnp.any(needs_dense(plans, law))
         path = choose_bucket(counts, caps, force_dense)  # caps are a prefix of the buckets
         if dense_allowed:
-            branches.append(jax.checkpoint(dense_fn))
+            # No checkpoint: the streamed dense path keeps O(n d) residuals of its own.
+            branches.append(dense_fn)
         else:
             path = jnp.minimum(path, len(caps) - 1)
         out, density, edges, overflow = jax.lax.switch(
@@ -343,19 +447,37 @@ class SBMAttention(nn.Module):
       shared_mlp: one membership MLP for all heads (reference code) instead of one per
         head (paper).
       capacity_buckets: sorted fractions of ``n*m`` in (0, 1]; the sparse branches.
-      impl: ``"auto"`` (buckets, dense above them and for short sequences),
-        ``"sparse"`` (buckets, dense only above them), ``"dense"`` (always dense).
+      impl: ``"auto"`` (buckets the cost model keeps, dense above them and for short
+        sequences), ``"sparse"`` (every bucket, dense only above them), ``"dense"``
+        (always the dense path, streamed over query blocks).
       window: if > 0, union a local window ``|i - j| <= window // 2`` with the graph.
       dense_below: with ``impl="auto"``, sequences with ``n*m`` at or below this always
         take the dense path (sparse bookkeeping costs more there).
-      edge_cost: with ``impl="auto"``, the cost of one sampled edge relative to one pair
-        of the dense path; buckets with ``capacity * edge_cost >= n*m`` are skipped, so
-        such batches run dense. Calibrate per backend with scripts/benchmark_attention.py.
+      edge_cost: with ``impl="auto"``, the cost of one sparse slot relative to one pair
+        of the dense path; buckets with ``capacity * edge_cost >= n*m`` are left out, so
+        such batches run dense. ``None`` (default): the calibrated value of the backend
+        and kernel (:func:`sbm_jax.kernels.cost.edge_cost`).
       max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
-        this; otherwise draws above the largest bucket overflow (and are recorded).
-      kernel: edge-attention implementation for the sparse path (see
-        :func:`sbm_jax.edge_ops.edge_attention`).
+        this; otherwise draws above the largest bucket are lost, and the stat
+        ``overflow`` (``[batch, heads]`` bool, sown every call) marks those graphs.
+      max_edge_slots: a sparse bucket is built only if its slots over the batch,
+        ``batch*heads*capacity`` (plus forced edges), are at most this; its memory is
+        ~20-30 bytes per slot, and a ``lax.switch`` reserves its largest branch's. Draws
+        above the buckets built take the dense path (streamed, O(n d) memory).
+      kernel: edge-attention implementation of the sparse path: ``"rows"`` (default,
+        the fastest measured) or ``"segment"`` (the reference); see
+        :func:`sbm_jax.edge_ops.edge_attention`.
       cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
+      ste: the estimator of the sampled mask, on every path: ``"paper"`` (eq. 9, the
+        mask scales the logit: ``dL/dp_e = dL/da_e * s_e``) or ``"reference"`` (the
+        authors' released code: the mask multiplies the post-softmax weights, rows are
+        renormalised, and ``dL/dp_e = clip(dL/dM_e, -1, 1)`` with the density term
+        inside the clip). Same forward pass.
+
+    Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
+    through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
+    draws exceeded the largest bucket and edges were lost; sum it for a count) and
+    ``path []`` (the bucket index, ``len(capacity_buckets)`` for the dense path).
     """
 
     num_heads: int
@@ -372,10 +494,12 @@ class SBMAttention(nn.Module):
     impl: str = "auto"
     window: int = 0
     dense_below: int = 128 * 128
-    edge_cost: float = 8.0
+    edge_cost: float | None = None
     max_dense_elements: int = 2**31
-    kernel: str = "segment"
+    max_edge_slots: int = 2**26
+    kernel: str = "rows"
     cluster_init: str = "paper"
+    ste: str = "paper"
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
@@ -399,10 +523,17 @@ class SBMAttention(nn.Module):
             raise ValueError(f"attention_dropout must lie in [0, 1), got {self.attention_dropout}")
         if self.cluster_init not in CLUSTER_INITS:
             raise ValueError(f"cluster_init={self.cluster_init!r} is not one of {CLUSTER_INITS}")
-        if self.edge_cost <= 0:
-            raise ValueError(f"edge_cost must be > 0, got {self.edge_cost}")
+        if self.edge_cost is not None and not self.edge_cost > 0:
+            raise ValueError(f"edge_cost must be > 0 (or None), got {self.edge_cost}")
+        if self.kernel not in EDGE_KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
+        check_ste(self.ste, "ste")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        for field in ("max_dense_elements", "max_edge_slots", "dense_below"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field} must be an int >= 0, got {value!r}")
 
     @nn.compact
     def __call__(
@@ -469,9 +600,11 @@ class SBMAttention(nn.Module):
             dense_below=self.dense_below,
             edge_cost=self.edge_cost,
             max_dense_elements=self.max_dense_elements,
+            max_edge_slots=self.max_edge_slots,
             dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
             kernel=self.kernel,
+            ste=self.ste,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])

@@ -6,6 +6,9 @@ Every kernel has the contract of :func:`sbm_jax.edge_ops.edge_attention` (the
 
 * ``"rows"``: virtual rows of the row-sorted edge list streamed in blocks, with a
   flash-style ``custom_vjp`` (see :mod:`sbm_jax.kernels.rows`). Pure JAX.
+
+Also here: :mod:`sbm_jax.kernels.dense`, the layer's dense path streamed over query
+blocks, and :mod:`sbm_jax.kernels.cost`, the layer's calibrated path cost model.
 """
 
 from __future__ import annotations

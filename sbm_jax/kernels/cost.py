@@ -1,44 +1,61 @@
-"""A static cost model: is a sparse capacity bucket cheaper than the dense path?
+"""The SBM layer's static cost model: is a sparse capacity bucket cheaper than the dense path?
 
 The SBM layer runs one ``lax.switch`` branch per capacity bucket plus a dense branch.
 Capacities are static, so whether a bucket should run sparse or dense is a static
-decision: a bucket whose sparse cost exceeds the dense path's cost can simply *be* the
-dense branch (same law, exact), and no runtime cost model is needed inside the switch.
+decision: a bucket whose sparse branch costs more than the dense branch can simply be
+left out (its draws then take the dense branch: same law, exact), and no runtime cost
+model is needed inside the switch. ``SBMAttention(impl="auto")`` calls
+:func:`sparse_buckets_worth_it` with the calibration of the backend it runs on; this is
+the only cost model of the layer.
 
-Costs are in units of one dense attention score (forward + backward of ``q.k``, softmax
-and ``w.v``, as ``dense_masked_attention`` does it). Calibrated with
-``scripts/benchmark_attention.py`` on a 2-core x86 CPU (JAX 0.10.2, n=4096, d_h=32,
-float32, fwd+bwd, against ``dense_masked_attention``): the ``rows`` kernel cost 10-12
-dense scores per slot at 1-5% density, the ``segment`` reference ~25 (see
-``docs/benchmarks.md``). With ``k = 128`` the SBM dense path costs ~3 units per pair, so
-on this CPU ``rows`` beats it below ~30% of ``n m`` slots and ``segment`` below ~12%.
-Recalibrate per backend with the script.
+The unit is one pair ``(i, j)`` of the layer's dense branch
+(:mod:`sbm_jax.kernels.dense`: ``p``, mask, masked softmax, eq. 9 backward, forward +
+backward). :data:`EDGE_COST` is the measured cost of one *slot* of a sparse branch
+(fastRG, edge list, edge kernel, straight-through SpMMs, forward + backward) in that
+unit, per backend and kernel: a bucket of ``C`` slots is worth running sparse when
+``C * edge_cost < n * m``. ``scripts/benchmark_attention.py --calibrate`` measures it
+(the whole layer with ``impl="dense"`` against ``impl="sparse"`` with one bucket, in one
+process) and prints the table row for the backend it runs on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: Cost of one edge slot, in dense scores, per kernel (CPU calibration).
-SLOT_COST_IN_DENSE_SCORES = {"segment": 25.0, "rows": 11.0}
+import jax
+
+#: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
+#: kernel. ``cpu``: measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls
+#: rows segment`` on a shared 2-core x86 CPU (JAX 0.10.2, B=2, H=2, d_h=32, k=128, n=2048,
+#: 5% density in a bucket of 10% of n^2, float32): rows 10.3 and 8.0 in two runs, segment
+#: 30.9 (docs/benchmarks.md). With k=128 buckets below ~1/9 of n*m run sparse with
+#: ``rows``: the defaults 1/64 and 1/16, not 1/4. ``gpu`` and ``tpu``: NOT measured (no
+#: accelerator was available when this was written); the values are guesses that favour
+#: the dense branch, whose work is matrix products, over gathers. Recalibrate there with
+#: ``--calibrate``.
+EDGE_COST: dict[str, dict[str, float]] = {
+    "cpu": {"rows": 9.0, "segment": 31.0},
+    "gpu": {"rows": 16.0, "segment": 32.0},
+    "tpu": {"rows": 16.0, "segment": 32.0},
+}
+
+#: Backends whose :data:`EDGE_COST` entry was measured (the others are guesses).
+CALIBRATED_BACKENDS = ("cpu",)
 
 
-def sparse_cost(capacity: int, kernel: str) -> float:
-    """Cost of a sparse branch with ``capacity`` slots, in dense-score units."""
-    if kernel not in SLOT_COST_IN_DENSE_SCORES:
-        raise ValueError(
-            f"kernel={kernel!r} has no calibrated cost; known: {tuple(SLOT_COST_IN_DENSE_SCORES)}"
-        )
-    return capacity * SLOT_COST_IN_DENSE_SCORES[kernel]
+def edge_cost(kernel: str, backend: str | None = None) -> float:
+    """Cost of one sparse slot with ``kernel`` on ``backend`` (default: JAX's), in pairs of
+    the dense branch. Unknown backends use the ``gpu`` guess."""
+    backend = jax.default_backend() if backend is None else backend
+    table = EDGE_COST.get(backend, EDGE_COST["gpu"])
+    if kernel not in table:
+        raise ValueError(f"kernel={kernel!r} has no calibrated cost; known: {tuple(table)}")
+    return table[kernel]
 
 
-def dense_sbm_cost(n: int, m: int, *, head_dim: int, num_clusters: int) -> float:
-    """Cost of the SBM dense path: attention plus ``p = Qhat S Khat^T`` (``n m k``).
-
-    Dense attention does two ``n m d`` products; the probability matrix adds one
-    ``n m k`` product, i.e. ``k / (2 d)`` dense-score units per pair.
-    """
-    return n * m * (1.0 + num_clusters / (2.0 * head_dim))
+def sparse_cost(capacity: int, kernel: str, backend: str | None = None) -> float:
+    """Cost of a sparse branch with ``capacity`` slots per graph, in dense-branch pairs."""
+    return capacity * edge_cost(kernel, backend)
 
 
 def sparse_buckets_worth_it(
@@ -46,14 +63,15 @@ def sparse_buckets_worth_it(
     n: int,
     m: int,
     *,
-    head_dim: int,
-    num_clusters: int,
     kernel: str,
+    backend: str | None = None,
+    slot_cost: float | None = None,
 ) -> tuple[bool, ...]:
-    """For each bucket, True when its sparse branch is estimated cheaper than dense.
+    """For each bucket, True when its sparse branch is estimated cheaper than the dense one.
 
-    A layer can map the buckets marked False to its dense branch (same law, exact), so
-    that SBM attention is never much slower than its own dense path.
+    ``slot_cost`` overrides the calibration (``SBMAttention.edge_cost``): the cost of one
+    slot in pairs of the dense branch. The layer leaves the buckets marked False out of
+    its switch, so that SBM attention is never much slower than its own dense path.
     """
-    dense = dense_sbm_cost(n, m, head_dim=head_dim, num_clusters=num_clusters)
-    return tuple(sparse_cost(c, kernel) < dense for c in capacities)
+    cost = edge_cost(kernel, backend) if slot_cost is None else float(slot_cost)
+    return tuple(c * cost < n * m for c in capacities)

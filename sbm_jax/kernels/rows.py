@@ -61,6 +61,7 @@ class _Config(NamedTuple):
     slots_per_row: int  # R
     block_rows: int  # Vb
     has_scale: bool
+    has_bias: bool
     has_dropout: bool
 
 
@@ -120,14 +121,21 @@ def _slots(start, length, r):
     return slots, ok
 
 
-def _scores(cfg, q, k, scale, cols, row_b, start_b, len_b):
-    """Per block: slots, mask, cols, raw scores s, scaled scores a (all [Vb, R])."""
+def _scores(cfg, q, k, scale, bias, cols, row_b, start_b, len_b):
+    """Per block: slots, mask, cols, raw scores s, logits a (all [Vb, R]).
+
+    Scores, logits and everything downstream are float32 whatever the input dtype: the
+    gathered queries and keys are upcast before the dot product (bf16 scores lost ~1e-2
+    at unit scale)."""
+    f32 = jnp.float32
     slots, ok = _slots(start_b, len_b, cfg.slots_per_row)
     c = cols.at[slots].get(mode="promise_in_bounds")
-    qb = q.at[row_b].get(mode="promise_in_bounds")  # [Vb, d]
-    kb = k.at[c].get(mode="promise_in_bounds")  # [Vb, R, d]
+    qb = q.at[row_b].get(mode="promise_in_bounds").astype(f32)  # [Vb, d]
+    kb = k.at[c].get(mode="promise_in_bounds").astype(f32)  # [Vb, R, d]
     s = jnp.einsum("vd,vrd->vr", qb, kb) * (1.0 / math.sqrt(q.shape[-1]))
     a = s * scale.at[slots].get(mode="promise_in_bounds") if cfg.has_scale else s
+    if cfg.has_bias:
+        a = a + bias.at[slots].get(mode="promise_in_bounds")
     return slots, ok, c, qb, kb, s, a
 
 
@@ -137,7 +145,25 @@ def _local_rows(row_b: jax.Array, vb: int):
     return first, row_b - first
 
 
-def _forward(cfg, q, k, v, scale, z, cols, blocks):
+def _live_blocks(blocks: RowBlocks, vb: int) -> jax.Array:
+    """Number of leading blocks that hold a valid slot (the rest add nothing): the loops
+    run over these only, so the work follows the sampled edges, not the capacity."""
+    vidx = jnp.arange(blocks.length.shape[0], dtype=jnp.int32)
+    last = jnp.max(jnp.where(blocks.length > 0, vidx, -1))
+    return (last + vb) // vb
+
+
+def _for_blocks(blocks: RowBlocks, vb: int, body, init):
+    """``body(carry, (row_b, start_b, len_b))`` over the live blocks, in order."""
+
+    def step(i, carry):
+        sl = lambda a: jax.lax.dynamic_slice(a, (i * vb,), (vb,))  # noqa: E731
+        return body(carry, (sl(blocks.row), sl(blocks.start), sl(blocks.length)))
+
+    return jax.lax.fori_loop(0, _live_blocks(blocks, vb), step, init)
+
+
+def _forward(cfg, q, k, v, scale, bias, z, cols, blocks):
     n, dv = q.shape[0], v.shape[-1]
     vb = cfg.block_rows
     seg_max = partial(jax.ops.segment_max, num_segments=vb, indices_are_sorted=True)
@@ -148,7 +174,7 @@ def _forward(cfg, q, k, v, scale, z, cols, blocks):
         # starting at any query index fits without clamping.
         row_max, denom, acc = carry
         row_b, start_b, len_b = xs
-        slots, ok, c, _, _, _, a = _scores(cfg, q, k, scale, cols, row_b, start_b, len_b)
+        slots, ok, c, _, _, _, a = _scores(cfg, q, k, scale, bias, cols, row_b, start_b, len_b)
         a = jnp.where(ok, a, -jnp.inf)
         live = len_b > 0
         mx = jnp.where(live, jnp.max(a, axis=1), -jnp.inf)
@@ -160,8 +186,8 @@ def _forward(cfg, q, k, v, scale, z, cols, blocks):
         lsum = jnp.sum(p, axis=1)
         if cfg.has_dropout:
             p = p * z.at[slots].get(mode="promise_in_bounds")
-        vals = v.at[c].get(mode="promise_in_bounds")  # [Vb, R, dv]
-        o = jnp.einsum("vr,vrd->vd", p.astype(v.dtype), vals).astype(jnp.float32)
+        vals = v.at[c].get(mode="promise_in_bounds").astype(jnp.float32)  # [Vb, R, dv]
+        o = jnp.einsum("vr,vrd->vd", p, vals)  # float32 accumulation
         keep = jnp.exp(old_max - safe)  # 0 where old_max = -inf
         new_den = jax.lax.dynamic_slice(denom, (first,), (vb,)) * keep + seg_sum(lsum, local)
         old_acc = jax.lax.dynamic_slice(acc, (first, 0), (vb, dv))
@@ -169,15 +195,14 @@ def _forward(cfg, q, k, v, scale, z, cols, blocks):
         row_max = jax.lax.dynamic_update_slice(row_max, new_max, (first,))
         denom = jax.lax.dynamic_update_slice(denom, new_den, (first,))
         acc = jax.lax.dynamic_update_slice(acc, new_acc, (first, 0))
-        return (row_max, denom, acc), None
+        return row_max, denom, acc
 
-    xs = (_blocked(blocks.row, vb), _blocked(blocks.start, vb), _blocked(blocks.length, vb))
     init = (
         jnp.full((n + vb,), -jnp.inf, jnp.float32),
         jnp.zeros((n + vb,), jnp.float32),
         jnp.zeros((n + vb, dv), jnp.float32),
     )
-    (row_max, denom, acc), _ = jax.lax.scan(block, init, xs)
+    row_max, denom, acc = _for_blocks(blocks, vb, block, init)
     row_max, denom, acc = row_max[:n], denom[:n], acc[:n]
     has = denom > 0
     out = (acc / jnp.where(has, denom, 1.0)[:, None]).astype(v.dtype)
@@ -185,36 +210,27 @@ def _forward(cfg, q, k, v, scale, z, cols, blocks):
     return out, lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rows_attention(cfg, q, k, v, scale, z, cols, blocks):
-    return _forward(cfg, q, k, v, scale, z, cols, blocks)[0]
-
-
-def _rows_fwd(cfg, q, k, v, scale, z, cols, blocks):
-    out, lse = _forward(cfg, q, k, v, scale, z, cols, blocks)
-    # Tagged so that a jax.checkpoint policy can keep them (see EDGE_KERNEL_RESIDUAL_NAMES).
-    out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
-    out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
-    return out, (q, k, v, scale, z, cols, blocks, out, lse)
-
-
-def _rows_bwd(cfg, res, dout):
-    q, k, v, scale, z, cols, blocks, out, lse = res
+def _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout):
+    """Gradients in a loop over the live blocks: ``{"dq", "dk", "dv"}`` and, when the
+    kernel has them, ``"dscale"`` and ``"dbias"`` (``[C]``)."""
     n, d = q.shape
     vb = cfg.block_rows
     inv = 1.0 / math.sqrt(d)
-    dout = dout.astype(jnp.float32)
-    big_d = jnp.sum(dout * out.astype(jnp.float32), axis=-1)  # [n]
-
+    f32 = jnp.float32
+    dout = dout.astype(f32)
+    big_d = jnp.sum(dout * out.astype(f32), axis=-1)  # [n]
     seg_sum = partial(jax.ops.segment_sum, num_segments=vb, indices_are_sorted=True)
 
+    def window_add(acc, first, rows_b):
+        old = jax.lax.dynamic_slice(acc, (first, 0), (vb, acc.shape[1]))
+        return jax.lax.dynamic_update_slice(acc, old + rows_b, (first, 0))
+
     def block(carry, xs):
-        dq, dk, dv, dscale = carry
         row_b, start_b, len_b = xs
-        slots, ok, c, qb, kb, s, a = _scores(cfg, q, k, scale, cols, row_b, start_b, len_b)
+        slots, ok, c, qb, kb, s, a = _scores(cfg, q, k, scale, bias, cols, row_b, start_b, len_b)
         w = jnp.where(ok, jnp.exp(a - lse.at[row_b].get(mode="promise_in_bounds")[:, None]), 0.0)
         dob = dout.at[row_b].get(mode="promise_in_bounds")  # [Vb, dv]
-        vals = v.at[c].get(mode="promise_in_bounds")
+        vals = v.at[c].get(mode="promise_in_bounds").astype(f32)
         dp = jnp.einsum("vd,vrd->vr", dob, vals)
         if cfg.has_dropout:
             zb = z.at[slots].get(mode="promise_in_bounds")
@@ -222,34 +238,59 @@ def _rows_bwd(cfg, res, dout):
         else:
             wz = w
         da = w * (dp - big_d.at[row_b].get(mode="promise_in_bounds")[:, None])
+        carry = dict(carry)
         if cfg.has_scale:
             ds = da * scale.at[slots].get(mode="promise_in_bounds") * inv
-            dscale = dscale.at[slots].add(jnp.where(ok, da * s, 0.0))
+            carry["dscale"] = carry["dscale"].at[slots].add(jnp.where(ok, da * s, 0.0))
         else:
             ds = da * inv
+        if cfg.has_bias:
+            carry["dbias"] = carry["dbias"].at[slots].add(jnp.where(ok, da, 0.0))
         first, local = _local_rows(row_b, vb)
-        dq_b = seg_sum(jnp.einsum("vr,vrd->vd", ds, kb), local)
-        dq_old = jax.lax.dynamic_slice(dq, (first, 0), (vb, d))
-        dq = jax.lax.dynamic_update_slice(dq, dq_old + dq_b, (first, 0))
-        dk = dk.at[c].add(ds[:, :, None] * qb[:, None, :])
-        dv = dv.at[c].add(wz[:, :, None] * dob[:, None, :])
-        return (dq, dk, dv, dscale), None
+        carry["dq"] = window_add(
+            carry["dq"], first, seg_sum(jnp.einsum("vr,vrd->vd", ds, kb), local)
+        )
+        carry["dk"] = carry["dk"].at[c].add(ds[:, :, None] * qb[:, None, :])
+        carry["dv"] = carry["dv"].at[c].add(wz[:, :, None] * dob[:, None, :])
+        return carry
 
-    xs = (_blocked(blocks.row, vb), _blocked(blocks.start, vb), _blocked(blocks.length, vb))
-    init = (
-        jnp.zeros((n + vb, d), jnp.float32),
-        jnp.zeros(k.shape, jnp.float32),
-        jnp.zeros(v.shape, jnp.float32),
-        jnp.zeros_like(scale),
-    )
-    (dq, dk, dv, dscale), _ = jax.lax.scan(block, init, xs)
-    dq = dq[:n]
+    init = {
+        "dq": jnp.zeros((n + vb, d), f32),
+        "dk": jnp.zeros(k.shape, f32),
+        "dv": jnp.zeros(v.shape, f32),
+    }
+    if cfg.has_scale:
+        init["dscale"] = jnp.zeros_like(scale)
+    if cfg.has_bias:
+        init["dbias"] = jnp.zeros_like(bias)
+    grads = _for_blocks(blocks, vb, block, init)
+    grads["dq"] = grads["dq"][:n]
+    return grads
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rows_attention(cfg, q, k, v, scale, bias, z, cols, blocks):
+    return _forward(cfg, q, k, v, scale, bias, z, cols, blocks)[0]
+
+
+def _rows_fwd(cfg, q, k, v, scale, bias, z, cols, blocks):
+    out, lse = _forward(cfg, q, k, v, scale, bias, z, cols, blocks)
+    # Tagged so that a jax.checkpoint policy can keep them (see EDGE_KERNEL_RESIDUAL_NAMES).
+    out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
+    out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
+    return out, (q, k, v, scale, bias, z, cols, blocks, out, lse)
+
+
+def _rows_bwd(cfg, res, dout):
+    q, k, v, scale, bias, z, cols, blocks, out, lse = res
+    g = _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout)
     zero_ints = jax.tree.map(lambda _: None, (cols, blocks))
     return (
-        dq.astype(q.dtype),
-        dk.astype(k.dtype),
-        dv.astype(v.dtype),
-        dscale if cfg.has_scale else jnp.zeros_like(scale),
+        g["dq"].astype(q.dtype),
+        g["dk"].astype(k.dtype),
+        g["dv"].astype(v.dtype),
+        g["dscale"] if cfg.has_scale else jnp.zeros_like(scale),
+        g["dbias"] if cfg.has_bias else jnp.zeros_like(bias),
         jnp.zeros_like(z),
         *zero_ints,
     )
@@ -265,6 +306,7 @@ def rows_edge_attention(
     edges: EdgeList,
     *,
     edge_scale: jax.Array | None = None,
+    edge_bias: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     slots_per_row: int | None = None,
@@ -276,6 +318,7 @@ def rows_edge_attention(
       q: ``[n, d]``; k: ``[m, d]``; v: ``[m, dv]``.
       edges: an EdgeList honouring the layout contract (valid edges first, row-sorted).
       edge_scale: optional ``[C]`` factor on each edge's score.
+      edge_bias: optional ``[C]`` term added to each edge's logit (after the scale).
       dropout_rate, dropout_rng: attention dropout on the normalised weights; the keep
         mask is drawn over the ``C`` slots exactly as the segment implementation draws it.
       slots_per_row: ``R`` (static); default :func:`default_slots_per_row`.
@@ -297,12 +340,20 @@ def rows_edge_attention(
     has_scale = edge_scale is not None
     # Only valid slots are ever read, so the scale needs no masking (and no copy).
     scale = edge_scale.astype(jnp.float32) if has_scale else jnp.zeros((1,), jnp.float32)
+    has_bias = edge_bias is not None
+    bias = edge_bias.astype(jnp.float32) if has_bias else jnp.zeros((1,), jnp.float32)
     has_dropout = dropout_rate > 0.0 and dropout_rng is not None
     if has_dropout:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))
         z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
     else:
         z = jnp.zeros((1,), jnp.float32)
-    cfg = _Config(slots_per_row=r, block_rows=vb, has_scale=has_scale, has_dropout=has_dropout)
+    cfg = _Config(
+        slots_per_row=r,
+        block_rows=vb,
+        has_scale=has_scale,
+        has_bias=has_bias,
+        has_dropout=has_dropout,
+    )
     cols = edges.cols.astype(jnp.int32)
-    return _rows_attention(cfg, q, k, v, scale, z, cols, blocks)
+    return _rows_attention(cfg, q, k, v, scale, bias, z, cols, blocks)

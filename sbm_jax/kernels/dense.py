@@ -1,0 +1,346 @@
+"""The SBM layer's dense-graph path, streamed over blocks of query rows.
+
+The dense path samples every pair ``(i, j)`` of one (example, head): ``p = (Y S) Z^T``
+(``ys [n, k]``, ``zk [m, k]``), a mask ``M_ij ~ Bernoulli(min(1, p_ij + delta))`` (or
+the poisson law ``1 - exp(-(p_ij + delta))``) on real pairs, forced edges (self-loops,
+a local window) on top, and softmax attention over the mask. Done naively it holds
+``[n, m]`` probabilities, masks, scores and weights in the forward pass and again in
+the backward pass, and a ``lax.switch`` that contains it reserves them whichever branch
+runs.
+
+Here nothing of size ``n x m`` ever exists. The queries are walked in blocks of
+``bq`` rows (a tile is ``bq x m``, the whole key axis, so each row's softmax is exact
+within its tile and needs no merge across tiles):
+
+* forward (``lax.map`` over blocks): the block's ``p`` from its rows of ``Y S`` and all
+  of ``Z`` (one ``[bq, k] x [k, m]`` product), its mask from uniforms drawn with the key
+  folded with the block index, scores ``q k^T / sqrt(d)`` in float32, masked softmax,
+  dropout (its keep mask also from a key folded with the block index), ``w v``. Kept:
+  the output and each row's log-normaliser.
+* backward (``jax.custom_vjp``, ``lax.scan`` over blocks): the block's ``p``, mask and
+  scores are recomputed (the same key and block index give the identical mask, so
+  nothing is stored), ``w = exp(s - lse)``, ``D_i = dOut_i . out_i`` for the softmax
+  Jacobian (valid with dropout), and the estimator of the mask (``ste``) sends
+  ``dL/dM_e`` to ``p_e`` on the edges: ``G = where(M, dL/dM, 0)``, then
+  ``d(Y S) = G Z`` and ``dZ = G^T (Y S)`` block by block. ``dK``, ``dV`` and ``dZ`` are
+  ``[m, .]`` accumulators carried by the scan.
+
+Estimators (``ste``), with ``a`` the normalised weights of row ``i``, ``g = dL/da``,
+``da_e = a_e (g_e - sum_j a_ij g_ij)`` the logit cotangent and ``c`` the cotangent of
+the edge count (the density term):
+
+* ``"paper"`` (eq. 9, logit ``s_e * M_e``): ``dL/dp_e = da_e * s_e + c``;
+* ``"reference"`` (the released code, mask on the post-softmax weights, rows
+  renormalised, ``hardtanh`` backward): ``dL/dp_e = clip(da_e + c, -1, 1)``.
+
+Temporaries are ``O(bq m)`` per block plus ``O((n + m)(d + k))`` for the inputs and
+accumulators. FLOPs per pair: ``2k`` (p) + ``4d`` (scores, ``w v``) forward, ``6k + 10d``
+backward (p again, the two products of ``G``; scores again, ``dOut V^T``, dQ, dK, dV),
+plus two uniforms per pair (mask, forward and backward).
+Plain ``jax.numpy`` / ``lax``: runs on CPU, GPU and TPU alike.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sbm_jax.ste import check_ste
+
+#: Elements of one ``bq x m`` tile the block size aims at (``bq`` rows of all keys).
+DEFAULT_TILE_ELEMENTS = 2**17
+
+
+class DenseConfig(NamedTuple):
+    """Static settings of :func:`streamed_sbm_attention`."""
+
+    block_rows: int  # bq
+    law: str  # "bernoulli" or "poisson"
+    ste: str  # "paper" or "reference"
+    forced_half: int  # forced edges |i - j| <= forced_half; -1 for none
+    dropout_rate: float  # 0.0: no dropout
+
+
+def default_block_rows(n: int, m: int, tile_elements: int = DEFAULT_TILE_ELEMENTS) -> int:
+    """``bq``: a power of two with ``bq * m`` near ``tile_elements``, in ``[8, 512]`` and at
+    most ``n`` rounded up to a power of two."""
+    want = max(1, tile_elements // max(1, m))
+    bq = 2 ** max(0, math.floor(math.log2(want)))
+    cap = 2 ** math.ceil(math.log2(max(1, n)))
+    return int(min(max(8, min(512, bq)), max(1, cap)))
+
+
+def block_mask(
+    cfg: DenseConfig,
+    key: jax.Array,
+    block: jax.Array,
+    ys_b: jax.Array,
+    zk: jax.Array,
+    delta: jax.Array,
+    qm_b: jax.Array,
+    k_mask: jax.Array,
+) -> jax.Array:
+    """``[bq, m]`` bool: the mask of query block ``block`` (rows ``block * bq + [0, bq)``).
+
+    ``ys_b [bq, k]`` are the block's rows of ``Y S`` (zero on padded queries), ``zk
+    [m, k]`` the key memberships, ``qm_b [bq]``, ``k_mask [m]`` the real tokens. Pair
+    ``(i, j)`` is present with probability ``min(1, p + delta)`` (bernoulli) or
+    ``1 - exp(-(p + delta))`` (poisson) when both tokens are real, from uniforms drawn
+    with ``fold_in(key, block)``; forced pairs ``|i - j| <= forced_half`` are added.
+    The same arguments give the same mask, which is how the backward pass regenerates
+    it.
+    """
+    bq, m = ys_b.shape[0], zk.shape[0]
+    p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
+    rate = p + delta
+    prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
+    u = jax.random.uniform(jax.random.fold_in(key, block), (bq, m))
+    mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
+    if cfg.forced_half >= 0:
+        # Padded tokens get far-apart positions, so no forced pair touches them. Every
+        # [bq, m] value here depends on the (per-graph) masks: under an outer loop over
+        # graphs, a tile computed from the block index alone is loop-invariant, and JAX
+        # would hoist it out of the loop stacked over all blocks (an n x m array).
+        far = 2**29
+        rows = jnp.where(qm_b, block * bq + jnp.arange(bq), -far)
+        cols = jnp.where(k_mask, jnp.arange(m), far)
+        mask = mask | (jnp.abs(rows[:, None] - cols[None, :]) <= cfg.forced_half)
+    return mask
+
+
+def _dropout_scale(cfg: DenseConfig, drop_key, block, shape) -> jax.Array:
+    keep = jax.random.bernoulli(jax.random.fold_in(drop_key, block), 1.0 - cfg.dropout_rate, shape)
+    return jnp.where(keep, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
+
+
+def _blocks(a: jax.Array, bq: int, n_pad: int) -> jax.Array:
+    pad = n_pad - a.shape[0]
+    widths = ((0, pad),) + ((0, 0),) * (a.ndim - 1)
+    return jnp.pad(a, widths).reshape(n_pad // bq, bq, *a.shape[1:])
+
+
+def _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask):
+    """Mask and float32 scores of one block: ``([bq, m] bool, [bq, m] f32)``."""
+    mask = block_mask(cfg, key, b, ys_b, zk, delta, qm_b, k_mask)
+    s = jnp.dot(q_b.astype(jnp.float32), k.astype(jnp.float32).T) / math.sqrt(q_b.shape[-1])
+    return mask, s
+
+
+def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
+    n, bq = q.shape[0], cfg.block_rows
+    n_pad = -(-n // bq) * bq
+    xs = (
+        jnp.arange(n_pad // bq, dtype=jnp.int32),
+        _blocks(q, bq, n_pad),
+        _blocks(ys, bq, n_pad),
+        _blocks(q_mask, bq, n_pad),
+    )
+    v32 = v.astype(jnp.float32)
+
+    def block(x):
+        b, q_b, ys_b, qm_b = x
+        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask)
+        mx = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        e = jnp.where(mask, jnp.exp(s - mx[:, None]), 0.0)
+        denom = jnp.sum(e, axis=-1)
+        has = denom > 0
+        w = e / jnp.where(has, denom, 1.0)[:, None]
+        if cfg.dropout_rate > 0.0:
+            w = w * _dropout_scale(cfg, drop_key, b, w.shape)
+        out_b = jnp.dot(w, v32)
+        lse_b = jnp.where(has, mx + jnp.log(jnp.where(has, denom, 1.0)), 0.0)
+        return out_b, lse_b, jnp.sum(mask, dtype=jnp.int32)
+
+    out, lse, counts = jax.lax.map(block, xs)
+    out = out.reshape(n_pad, -1)[:n]
+    lse = lse.reshape(n_pad)[:n]
+    return out, lse, jnp.sum(counts)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _streamed(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
+    out, _, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask)
+    return out.astype(v.dtype), count.astype(jnp.float32)
+
+
+def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
+    out, lse, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask)
+    res = (q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse)
+    return (out.astype(v.dtype), count.astype(jnp.float32)), res
+
+
+def _streamed_bwd(cfg, res, cts):
+    q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse = res
+    dout, dcount = cts
+    f32 = jnp.float32
+    n, d = q.shape
+    bq = cfg.block_rows
+    n_pad = -(-n // bq) * bq
+    inv = 1.0 / math.sqrt(d)
+    dout = dout.astype(f32)
+    big_d = jnp.sum(dout * out, axis=-1)  # [n]: D_i = dOut_i . out_i
+    k32, v32, zk32 = k.astype(f32), v.astype(f32), zk.astype(f32)
+    dcount = jnp.asarray(dcount, f32)
+    xs = (
+        jnp.arange(n_pad // bq, dtype=jnp.int32),
+        _blocks(q, bq, n_pad),
+        _blocks(ys, bq, n_pad),
+        _blocks(q_mask, bq, n_pad),
+        _blocks(lse, bq, n_pad),
+        _blocks(dout, bq, n_pad),
+        _blocks(big_d, bq, n_pad),
+    )
+
+    def block(carry, x):
+        dk, dv, dzk = carry
+        b, q_b, ys_b, qm_b, lse_b, do_b, d_b = x
+        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask)
+        w = jnp.where(mask, jnp.exp(s - lse_b[:, None]), 0.0)
+        dw = jnp.dot(do_b, v32.T)  # [bq, m]
+        if cfg.dropout_rate > 0.0:
+            z = _dropout_scale(cfg, drop_key, b, w.shape)
+            dw, wz = dw * z, w * z
+        else:
+            wz = w
+        da = w * (dw - d_b[:, None])  # logit cotangent, 0 off the mask
+        # dL/dM on the edges: the logit's derivative in M, plus the edge count's term.
+        g_m = (da * s if cfg.ste == "paper" else da) + dcount
+        if cfg.ste == "reference":
+            g_m = jnp.clip(g_m, -1.0, 1.0)
+        g = jnp.where(mask, g_m, 0.0)  # [bq, m] cotangent of p on the edges
+        ds = da * inv
+        dq_b = jnp.dot(ds, k32)
+        dys_b = jnp.dot(g, zk32)
+        q32 = q_b.astype(f32)
+        dk = dk + jnp.dot(ds.T, q32)
+        dv = dv + jnp.dot(wz.T, do_b)
+        dzk = dzk + jnp.dot(g.T, ys_b.astype(f32))
+        return (dk, dv, dzk), (dq_b, dys_b)
+
+    init = (
+        jnp.zeros(k.shape, f32),
+        jnp.zeros(v.shape, f32),
+        jnp.zeros(zk.shape, f32),
+    )
+    (dk, dv, dzk), (dq, dys) = jax.lax.scan(block, init, xs)
+    dq = dq.reshape(n_pad, d)[:n]
+    dys = dys.reshape(n_pad, -1)[:n]
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        dys.astype(ys.dtype),
+        dzk.astype(zk.dtype),
+        jnp.zeros_like(delta),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_streamed.defvjp(_streamed_fwd, _streamed_bwd)
+
+
+def streamed_sbm_attention(
+    key: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: float | jax.Array,
+    *,
+    law: str = "bernoulli",
+    ste: str = "paper",
+    forced_half: int | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Sample the SBM graph of one (example, head) pair by pair and attend over it.
+
+    Args:
+      key: PRNG key of the graph; block ``b``'s uniforms come from ``fold_in(key, b)``.
+      q: ``[n, d]``; k: ``[m, d]``; v: ``[m, dv]``.
+      ys: ``[n, k]`` ``Y S`` with padded queries' rows zero (``SamplingPlan.ys``).
+      zk: ``[m, k]`` key memberships, padded keys zero (``SamplingPlan.z[:, :k]``).
+      q_mask, k_mask: ``[n]``, ``[m]`` bool, True for real tokens.
+      delta: exploration probability added to every real pair.
+      law: ``"bernoulli"`` or ``"poisson"`` (see :func:`block_mask`).
+      ste: ``"paper"`` or ``"reference"``: the estimator of the mask (module docstring).
+      forced_half: forced edges ``|i - j| <= forced_half`` between real tokens (0: the
+        self-loops); None for none.
+      dropout_rate, dropout_rng: dropout on the normalised weights (keep mask of block
+        ``b`` from ``fold_in(dropout_rng, b)``).
+      block_rows: ``bq`` (static); default :func:`default_block_rows`.
+
+    Returns:
+      ``out [n, dv]`` (rows without an edge are exactly 0) and the edge count ``[]``
+      float32, whose value is the number of edges and whose cotangent is added to every
+      edge's ``dL/dM`` (so ``count / real_pairs`` is the differentiable density).
+      Gradients reach ``q``, ``k``, ``v``, ``ys`` and ``zk``.
+    """
+    check_ste(ste)
+    n, m = q.shape[0], k.shape[0]
+    bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
+    if bq < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    rate = float(dropout_rate) if dropout_rng is not None else 0.0
+    cfg = DenseConfig(
+        block_rows=bq,
+        law=law,
+        ste=ste,
+        forced_half=-1 if forced_half is None else int(forced_half),
+        dropout_rate=rate,
+    )
+    drop_key = key if dropout_rng is None else dropout_rng
+    delta = jnp.asarray(delta, jnp.float32)
+    return _streamed(
+        cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask.astype(bool), k_mask.astype(bool)
+    )
+
+
+def streamed_mask(
+    key: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: float | jax.Array,
+    *,
+    law: str = "bernoulli",
+    forced_half: int | None = None,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """The ``[n, m]`` mask :func:`streamed_sbm_attention` draws with the same arguments.
+
+    For tests and inspection only (it materialises the mask); the attention never does.
+    """
+    n, m = ys.shape[0], zk.shape[0]
+    bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
+    cfg = DenseConfig(
+        block_rows=bq,
+        law=law,
+        ste="paper",
+        forced_half=-1 if forced_half is None else int(forced_half),
+        dropout_rate=0.0,
+    )
+    n_pad = -(-n // bq) * bq
+    delta = jnp.asarray(delta, jnp.float32)
+    xs = (
+        jnp.arange(n_pad // bq, dtype=jnp.int32),
+        _blocks(ys, bq, n_pad),
+        _blocks(q_mask.astype(bool), bq, n_pad),
+    )
+    masks = jax.lax.map(
+        lambda x: block_mask(cfg, key, x[0], x[1], zk, delta, x[2], k_mask.astype(bool)), xs
+    )
+    return masks.reshape(n_pad, m)[:n]

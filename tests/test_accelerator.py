@@ -1,0 +1,105 @@
+"""The SBM layer's correctness at GPU/TPU scale, with the backend's own head mapping.
+
+Marked ``accelerator`` (see tests/conftest.py): skipped on a CPU unless
+``SBM_ACCELERATOR_TESTS=1``. On a GPU/TPU the layer maps (example, head) graphs with one
+``vmap`` (the sampler's thinning then computes ``p_e`` on every slot, and the kernels'
+loops carry batched trip counts), which the CPU's default run checks only at toy sizes.
+The command a GPU/TPU user runs is in docs/benchmarks.md ("On a GPU or TPU").
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbm_jax.attention.sbm import bucket_capacities, sbm_attention_core
+from sbm_jax.kernels.dense import streamed_mask
+from tests.sbm_testing import same_graphs_dense_loss
+
+pytestmark = pytest.mark.accelerator
+
+B, H, L, KC, D = 2, 2, 256, 8, 16
+MASK = jnp.arange(L)[None, :] < jnp.array([[L], [L - 37]])
+
+
+def _case(seed=0):
+    rng = np.random.default_rng(seed)
+    qm = jnp.asarray(rng.random((B, H, L, KC)) * 0.3, jnp.float32)
+    km = jnp.asarray(rng.random((B, H, L, KC)) * 0.3, jnp.float32)
+    blk = jnp.asarray(rng.random((H, KC, KC)) / KC, jnp.float32)
+    q, k, v, g = (jnp.asarray(rng.normal(size=(B, H, L, D)), jnp.float32) for _ in range(4))
+    wd = jnp.asarray(rng.normal(size=(B, H)), jnp.float32) * 20.0
+    return q, k, v, qm, blk, km, 5.0 * g, wd
+
+
+@pytest.mark.parametrize("ste", ["paper", "reference"])
+@pytest.mark.parametrize(
+    "impl, kernel", [("sparse", "rows"), ("sparse", "segment"), ("dense", "rows")]
+)
+def test_core_matches_the_dense_reference_per_graph(ste, impl, kernel):
+    q, k, v, qm, blk, km, g, wd = _case()
+    rng, delta, buckets = jax.random.PRNGKey(4), 0.02, (0.25,)
+
+    def core_loss(q, k, v, qm, blk, km):
+        out, st = sbm_attention_core(
+            rng,
+            q,
+            k,
+            v,
+            qm,
+            blk,
+            km,
+            MASK,
+            delta=delta,
+            capacity_buckets=buckets,
+            impl=impl,
+            kernel=kernel,
+            window=6,
+            max_dense_elements=2**31 if impl == "dense" else 1,
+            ste=ste,
+        )
+        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), st
+
+    args = (q, k, v, qm, blk, km)
+    (val, st), grads = jax.jit(jax.value_and_grad(core_loss, argnums=range(6), has_aux=True))(*args)
+    ref_loss, masks = same_graphs_dense_loss(
+        rng,
+        *args,
+        g,
+        wd,
+        mask=MASK,
+        law="bernoulli",
+        delta=delta,
+        capacity=bucket_capacities(buckets, L, L)[0],
+        dense=impl == "dense",
+        ste=ste,
+        forced=(False, 6),
+    )
+    assert int(st["path"]) == (1 if impl == "dense" else 0)
+    np.testing.assert_array_equal(st["edges"], masks.sum((2, 3)))
+    ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=range(6)))(*args)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-4)
+    for name, a, b in zip(
+        ("q", "k", "v", "q_memb", "block", "k_memb"), grads, ref_grads, strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4, err_msg=name)
+
+
+def test_streamed_dense_mask_density_at_scale():
+    # n = 2048 (64 blocks): the mean of the mask over many draws against p + delta.
+    n, trials, delta = 2048, 16, 0.01
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    ys = jax.random.uniform(ks[0], (n, KC)) * 0.05
+    zk = jax.random.uniform(ks[1], (n, KC))
+    real = jnp.arange(n) < n - 100
+    want = np.minimum(np.asarray(ys @ zk.T) + delta, 1.0) * np.outer(real, real)
+    masks = jax.vmap(lambda kk: streamed_mask(kk, ys, zk, real, real, delta))(
+        jax.random.split(ks[2], trials)
+    )
+    freq = np.asarray(jnp.mean(masks, axis=0, dtype=jnp.float32))
+    assert not freq[~np.outer(real, real)].any()
+    # Row sums: each is a sum of ~n independent Bernoulli means over `trials` draws.
+    var = np.sum(want * (1 - want), axis=1) / trials
+    z = (freq.sum(1) - want.sum(1)) / np.sqrt(np.maximum(var, 1e-12))
+    assert np.all(np.abs(z[np.asarray(real)]) < 6.0)
+    assert abs(np.mean(z[np.asarray(real)])) < 6.0 / np.sqrt(real.sum())

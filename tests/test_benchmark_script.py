@@ -1,0 +1,63 @@
+"""scripts/benchmark_attention.py: its markdown block is rewritten in place, and only it."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_attention.py"
+    spec = importlib.util.spec_from_file_location("benchmark_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_markdown_block_is_replaced_and_other_sections_kept(bench, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(
+        "# Attention benchmarks\n\nintro\n\n"
+        f"{bench.BEGIN}\nold table\n{bench.END}\n\n## Notes\n\nhand-written\n\n"
+        "## Sparse Transformer patterns\n\n<!-- BEGIN GENERATED: other.py -->\nx\n"
+        "<!-- END GENERATED: other.py -->\n"
+    )
+    bench.write_markdown(doc, "new table\n")
+    text = doc.read_text()
+    assert "old table" not in text and text.count("new table") == 1
+    for kept in ("intro", "## Notes", "hand-written", "## Sparse Transformer patterns", "\nx\n"):
+        assert kept in text
+    assert text.index("intro") < text.index("new table") < text.index("## Notes")
+    bench.write_markdown(doc, "newer\n")  # idempotent: one block, rewritten again
+    assert doc.read_text().count(bench.BEGIN) == 1 and "newer" in doc.read_text()
+
+
+def test_old_markers_are_migrated_and_missing_block_appended(bench, tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text("top\n<!-- BEGIN GENERATED -->\nold\n<!-- END GENERATED -->\nbottom\n")
+    bench.write_markdown(doc, "fresh\n")
+    text = doc.read_text()
+    assert "old" not in text and "fresh" in text and "top" in text and "bottom" in text
+    other = tmp_path / "c.md"
+    other.write_text("# Only prose\n")
+    bench.write_markdown(other, "table\n")
+    assert other.read_text().startswith("# Only prose") and "table" in other.read_text()
+
+
+def test_issue14_table_from_a_saved_report(bench):
+    # Ratios and verdicts from measured records (no timing here).
+    rec = dict(section="layer", n=4096, density=0.05)
+    report = {
+        "config": {"impls": ["rows"], "batch": 2, "heads": 2, "head_dim": 32},
+        "results": [
+            {**rec, "kind": "full", "median_s": 2.0, "temp_bytes": 1000},
+            {**rec, "kind": "sbm", "median_s": 1.0, "temp_bytes": 200, "median_round_ratio": 0.55},
+        ],
+    }
+    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    mem = rows["whole-layer temp memory SBM / full, 5%, n=4096"]
+    assert mem["value"] == pytest.approx(0.2) and mem["met"] is True
+    tim = rows["whole-layer time SBM / full, 5%, n=4096"]
+    assert tim["value"] == pytest.approx(0.55) and tim["met"] is True
+    assert rows["n=1024, 5%: time SBM / full"]["value"] is None
