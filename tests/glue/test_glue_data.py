@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from glue.checkpoints import find_checkpoint_dir
+
 from glue.corpus import pack_sequences, read_local_corpus, split_documents
 from glue.data import EpochStream, join_pair, steps_for_epochs
 from glue.tokenizer import (

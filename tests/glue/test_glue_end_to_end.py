@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 import tensorflow_datasets.text  # noqa: F401  (registers the glue builder without TF)
-from jax.experimental.compilation_cache import compilation_cache
-
 from glue.finetune_lib import run_finetuning
 from glue.pretrain_lib import run_pretraining
+from jax.experimental.compilation_cache import compilation_cache
+
 from glue.tokenizer import load_tokenizer
 from tests.glue.conftest import load_config
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from glue.pretrain_lib import run_pretraining
 
 from glue.presets import MECHANISMS
-from glue.pretrain_lib import run_pretraining
 from tests.glue.conftest import load_config
 
 
