@@ -262,7 +262,11 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         apply_checkpoint_architecture(config, (meta.get("config") or {}).get("model"))
         if not tokenizer_path:
             tokenizer_path = os.path.join(run_dir_of_checkpoint(checkpoint), TOKENIZER_FILE)
-    field = "config.data.tokenizer" if config.data.tokenizer else "the tokenizer beside init_from"
+    field = (
+        "config.data.tokenizer"
+        if config.data.tokenizer
+        else "config.data.tokenizer='' and the tokenizer beside config.init_from's run"
+    )
     tokenizer = load_tokenizer(tokenizer_path, flag=field)
     if tokenizer.get_vocab_size() > int(config.model.vocab_size):
         raise ConfigError(
@@ -312,11 +316,6 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         except ValueError as e:
             raise ConfigError(f"config.init_from: {e}") from None
 
-    def eval_metrics(confusion: np.ndarray) -> dict[str, float]:
-        out = metrics_from_confusion(confusion)
-        out.pop("num_examples", None)
-        return out
-
     def write_predictions(split: str, index: np.ndarray, predicted: np.ndarray, out: str) -> str:
         return write_submission(name, split, index, predicted, out)
 
@@ -348,7 +347,7 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         test_splits={s: split_batches(e) for s, e in eval_splits.items()},
         init_params=init_params,
         confusion_classes=spec.num_classes,
-        eval_metrics=eval_metrics,
+        eval_metrics=metrics_from_confusion,
         predict_splits={s: split_batches(e) for s, e in test_splits.items()},
         write_predictions=write_predictions,
         summarize=summarize,

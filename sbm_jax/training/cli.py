@@ -24,6 +24,7 @@ it (it then starts from the mechanism's default), e.g.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import importlib
@@ -333,10 +334,11 @@ def main(
         )
     _add_attention_options(config, argv)
     parse_argv = _without_config_spec(argv)
-    _define_flags(fv, config, parse_argv)
-    if define_extra is not None:
-        define_extra(fv)
     try:
+        # Defining the config flag already applies the --config.<field> overrides.
+        _define_flags(fv, config, parse_argv)
+        if define_extra is not None:
+            define_extra(fv)
         rest = fv(parse_argv)
     except Exception as e:
         return fail(describe_flag_error(e, parse_argv, config, fv))
@@ -384,12 +386,16 @@ def main(
         out.write(f"config OK; would {what} {output_dir}\n")
         return 0
     given = copy.deepcopy(config)
+    # The run's own lines (the tasks' notes, "resuming from step N", warnings) go to
+    # ``stdout`` like the summary line.
+    redirect = contextlib.redirect_stdout(out) if stdout is not None else contextlib.nullcontext()
     try:
-        try:
-            task = build_task(config, output_dir=output_dir)
-        except (ValueError, FileNotFoundError) as e:
-            return fail(one_line([str(e)], config))
-        summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
+        with redirect:
+            try:
+                task = build_task(config, output_dir=output_dir)
+            except (ValueError, FileNotFoundError) as e:
+                return fail(one_line([str(e)], config))
+            summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
     except ConfigError as e:
         return fail(one_line([str(e)], config))
     except NonFiniteError as e:

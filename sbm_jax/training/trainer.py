@@ -75,7 +75,7 @@ from sbm_jax.training.host_data import (
     train_source,
 )
 from sbm_jax.training.metrics import MetricsWriter, ProgressBar, to_python
-from sbm_jax.training.nonfinite import NonFiniteError, dump_nonfinite
+from sbm_jax.training.nonfinite import NonFiniteError, dump_nonfinite, replay_nonfinite
 from sbm_jax.training.plots import plot_metrics
 from sbm_jax.training.preemption import StopSignals, any_process
 from sbm_jax.training.run_dir import (
@@ -97,7 +97,7 @@ from sbm_jax.training.steps import (
 from sbm_jax.training.summary import scalars, to_python_json
 from sbm_jax.training.task import Task, build_task_model
 
-__all__ = ["NonFiniteError", "train_and_evaluate", "run_training"]
+__all__ = ["NonFiniteError", "replay_nonfinite", "run_training", "train_and_evaluate"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -506,6 +506,7 @@ def train_and_evaluate(
         "loss": last_train.get("loss"),
         "accuracy": last_train.get("accuracy"),
         "density": last_train.get("density"),
+        "density_per_head": last_train.get("density_per_head"),
         "first_loss": first_train.get("loss"),
         "final_train": scalars(last_train),
         "eval": scalars(last_dev) or None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from glue.checkpoints import find_checkpoint_dir
 
 from glue.corpus import pack_sequences, read_local_corpus, split_documents
 from glue.data import EpochStream, join_pair, steps_for_epochs
@@ -17,6 +16,7 @@ from glue.tokenizer import (
     special_ids,
     train_tokenizer,
 )
+from sbm_jax.training.checkpoints import find_checkpoint
 
 SPECIAL = SpecialIds(pad=0, cls=1, sep=2, mask=3, unk=4)
 
@@ -81,7 +81,7 @@ def test_errors_name_the_flag(tmp_path):
         load_tokenizer(str(bad))
     with pytest.raises(ValueError, match="model.vocab_size"):
         train_tokenizer(["a b c"], 100, field="model.vocab_size")
-    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
-        find_checkpoint_dir(str(tmp_path / "no_run"))
-    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
-        find_checkpoint_dir(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="config.init_from="):
+        find_checkpoint(str(tmp_path / "no_run"))
+    with pytest.raises(FileNotFoundError, match="config.init_from="):
+        find_checkpoint(str(tmp_path))
