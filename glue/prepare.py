@@ -12,22 +12,13 @@ format under ``--data_dir``, which is what the trainer reads with ``tfds.data_so
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags
-
 from glue.data import GLUE_TASKS, get_task_spec
-
-_TASKS = flags.DEFINE_list("tasks", list(GLUE_TASKS), f"GLUE tasks of {sorted(GLUE_TASKS)}.")
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory (default: TFDS's).")
-_CORPUS = flags.DEFINE_string(
-    "corpus",
-    "",
-    "Also prepare this TFDS text builder (data.tfds_name), e.g. wikipedia/20230601.en.",
-)
 
 
 def prepare(
@@ -67,16 +58,24 @@ def prepare(
     return out
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    tasks = [t for t in _TASKS.value if t]
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tasks", default=",".join(GLUE_TASKS), help=f"comma list of {sorted(GLUE_TASKS)}"
+    )
+    parser.add_argument("--data_dir", default=None, help="TFDS data directory (default: TFDS's)")
+    parser.add_argument(
+        "--corpus", default="", help="also this TFDS text builder, e.g. wikipedia/20230601.en"
+    )
+    args = parser.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
     try:
-        prepare(tasks, _DATA_DIR.value, _CORPUS.value)
+        prepare(tasks, args.data_dir, args.corpus)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())
