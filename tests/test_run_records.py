@@ -431,3 +431,28 @@ def test_overflow_is_counted_warned_once_and_totalled(tmp_path):
     first = next(s for s, count in enumerate(expected, start=1) if count > 0)
     assert len(warnings) == 1, log.getvalue()
     assert f"train step {first} in attention ({expected[first - 1]:g})" in warnings[0]
+
+
+def test_config_differences_name_every_field_and_allow_the_safe_ones():
+    from sbm_jax.training.run_dir import config_differences
+
+    saved = {
+        "seed": 0,
+        "model": {"emb_dim": 16, "attention_options": {"capacity_buckets": [0.1, 0.5]}},
+        "train": {"num_steps": 10, "learning_rate": 0.1},
+        "mesh": {"data": 1},
+    }
+    new = {
+        "seed": 1,
+        "model": {"emb_dim": 16, "attention_options": {"capacity_buckets": [0.1, 0.25]}},
+        "train": {"num_steps": 20, "learning_rate": 0.1, "halt_on_nonfinite": True},
+        "mesh": {"data": 4},
+        "extra": 3,
+    }
+    assert config_differences(saved, new) == [
+        "config.extra (none) -> 3",
+        "config.model.attention_options.capacity_buckets [0.1, 0.5] -> [0.1, 0.25]",
+        "config.seed 0 -> 1",
+    ]  # num_steps and mesh are safe; a field new since the run, at its old behaviour, too
+    assert config_differences(saved, saved) == []
+    assert config_differences({"a": 1}, {"a": True}) == ["config.a 1 -> true"]

@@ -47,6 +47,18 @@ SAFE_TO_CHANGE = (
 )
 
 
+# Fields added to the configs after runs were already made: a saved config without them
+# matches a new one that holds these values (the behaviour those runs had).
+ABSENT_MEANS = {
+    "init_from": "",
+    "task.truncate": False,
+    "train.max_per_device_batch": 0,
+    "train.halt_on_nonfinite": True,
+    "checkpoint.best_metric": "accuracy",
+    "checkpoint.best_mode": "max",
+}
+
+
 def timestamped_dir(name: str, root: str = "runs", now: float | None = None) -> str:
     """``<root>/<name>-<YYYYmmdd-HHMMSS>`` that does not exist yet (``-2``, ... appended
     when it does)."""
@@ -120,6 +132,8 @@ def config_differences(
             continue
         missing = object()
         a, b = old_flat.get(key, missing), new_flat.get(key, missing)
+        if a is missing and key in ABSENT_MEANS and _same(ABSENT_MEANS[key], b):
+            continue
         if a is missing or b is missing or not _same(a, b):
             shown_a = "(none)" if a is missing else json.dumps(a)
             shown_b = "(none)" if b is missing else json.dumps(b)
@@ -151,6 +165,12 @@ def check_resume(output_dir: str, config: Any) -> bool:
     """
     saved = saved_config(output_dir)
     if saved is None:
+        latest = os.path.join(output_dir, "checkpoints", "latest")
+        if os.path.isdir(latest) and any(n.isdigit() for n in os.listdir(latest)):
+            raise ConfigError(
+                f"output_dir={output_dir!r} holds checkpoints but no {CONFIG_FILE}, so this "
+                "config cannot be checked against the run's; choose another --output_dir"
+            )
         return False
     diffs = config_differences(saved, config_as_json(config))
     if diffs:
