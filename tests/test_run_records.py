@@ -178,7 +178,7 @@ def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:
             sys.executable,
             os.path.join(ROOT, "scripts", "train.py"),
             *TINY,
-            "--config.train.num_steps=600",
+            "--config.train.num_steps=300",
             "--config.checkpoint.every_steps=1000",
             f"--output_dir={output_dir}",
             *extra,
@@ -212,7 +212,7 @@ def test_sigterm_saves_and_the_resumed_run_repeats_the_losses(tmp_path, shared_c
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step")]
     assert len(stopped) == 1 and "(SIGTERM)" in stopped[0], out
     k = int(stopped[0].split()[3])
-    assert 3 <= k < 600 and "Traceback" not in err
+    assert 3 <= k < 300 and "Traceback" not in err
     assert [r["step"] for r in records(run_dir)] == list(range(1, k + 1))
     assert (run_dir / "checkpoints" / "latest" / str(k)).is_dir()
     assert not (run_dir / "summary.json").exists()
@@ -224,9 +224,9 @@ def test_sigterm_saves_and_the_resumed_run_repeats_the_losses(tmp_path, shared_c
     out, err = reference.communicate(timeout=600)
     assert reference.returncode == 0, err[-3000:]
     a, b = records(ref_dir), records(run_dir)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 601))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 301))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit on CPU
-    assert csv_steps(run_dir) == list(range(1, 601))
+    assert csv_steps(run_dir) == list(range(1, 301))
 
 
 BAD_INPUTS = [

@@ -331,3 +331,36 @@ def test_sizes_that_cannot_be_met_fail_fast():
     # after a few rejections), so the bound is exact rather than a guess.
     got = list(listops_generator.generate_split(params, seed=0, split="train", num_examples=400))
     assert len({ids.tobytes() for _, ids, _ in got}) == 400
+
+
+def test_prepare_command_reports_a_malformed_release_row_in_one_line(fixtures_dir, tmp_path):
+    import subprocess
+    import sys
+
+    manual = tmp_path / "manual"
+    shutil.copytree(os.path.join(fixtures_dir, "listops"), manual)
+    with open(manual / "basic_train.tsv", "a") as f:
+        f.write("[MAX 2 9\t9\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lra.prepare",
+            "--task=listops",
+            "--source=release",
+            f"--manual_dir={manual}",
+            f"--data_dir={tmp_path / 'data'}",
+        ],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {manual / 'basic_train.tsv'}:4: 1 operator(s) left open at the end "
+        "(missing ']')"
+    ], proc.stderr[-2000:]
