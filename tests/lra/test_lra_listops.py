@@ -361,6 +361,5 @@ def test_prepare_command_reports_a_malformed_release_row_in_one_line(fixtures_di
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: {manual / 'basic_train.tsv'}:4: 1 operator(s) left open at the end "
-        "(missing ']')"
+        f"error: {manual / 'basic_train.tsv'}:4: 1 operator(s) left open at the end (missing ']')"
     ], proc.stderr[-2000:]
