@@ -304,6 +304,11 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         for idx in stream.iterate(start_step):
             yield train_split.batch(idx, max_len, special.pad)
 
+    def process_train_batches(start_step: int, rows: np.ndarray) -> Iterator[Batch]:
+        # One process of a multi-process job tokenises and pads only its rows.
+        for idx in stream.iterate(start_step):
+            yield train_split.batch(idx[rows], max_len, special.pad)
+
     def split_batches(encoded: EncodedSplit):
         def batches() -> list[Batch]:
             return encoded.padded_batches(eval_size, max_len, special.pad)
@@ -342,6 +347,7 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         name=f"glue_{name}",
         head="classification",
         train_batches=train_batches,
+        process_train_batches=process_train_batches,
         eval_batches=split_batches(eval_splits[spec.eval_splits[0]]),
         loss_fn=classification_loss,
         test_splits={s: split_batches(e) for s, e in eval_splits.items()},

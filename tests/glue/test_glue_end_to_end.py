@@ -176,6 +176,26 @@ def test_test_predictions_in_glue_submission_format(finetuned):
             assert indices == sorted(indices)
 
 
+def test_finetuning_feeds_each_process_only_its_rows(pretrained):
+    """What one process of a multi-process job reads: exactly its rows of each batch,
+    the same as cut from the whole batch (data read from the mock GLUE)."""
+    from sbm_jax.tasks import build_task
+
+    pre, _ = pretrained
+    config = cli.load_config_file(f"{FINETUNE}:sbm,smoke,task=qqp")
+    config.init_from = pre
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        task = build_task(config)
+    assert task.process_train_batches is not None
+    rows = np.array([1, 3])
+    whole, part = task.train_batches(5), task.process_train_batches(5, rows)
+    for _ in range(3):  # crosses an epoch boundary: 9 examples, batches of 4
+        full, own = next(whole), next(part)
+        assert sorted(own) == sorted(full)
+        for key, value in own.items():
+            np.testing.assert_array_equal(value, full[key][rows])
+
+
 def test_report_renders_table(finetuned, tmp_path, capsys):
     from scripts.glue_report import main
 
