@@ -281,6 +281,45 @@ def test_bad_preset_and_missing_config_file(tmp_path):
     assert status == 2 and "--config is required" in err
 
 
+def test_a_task_module_without_its_dependency_leaves_the_other_tasks(tmp_path, monkeypatch):
+    """With GLUE's tokenizers not installed (only the LRA extra), the synthetic task still
+    trains, and a task no module registered names the skipped module and what it lacks,
+    in one line."""
+    (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "broken_project_import.py").write_text("import sbm_jax.no_such_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = ("lra.train_task", "needs_missing_dep")
+
+    def run(*args: str, task_modules=modules) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        status = cli.main(["train.py", *args], task_modules=task_modules, stdout=out, stderr=err)
+        return status, out.getvalue(), err.getvalue()
+
+    status, out, err = run(f"--config={SYNTHETIC}:sbm,smoke", "--print_config")
+    assert status == 0 and "num_steps: 40" in out, err
+    # (The name of a task no module here registers: another test may import glue.tasks.)
+    status, _, err = run(
+        f"--config={SYNTHETIC}:sbm,smoke", "--config.task.name=missing_dep_task", "--print_config"
+    )
+    assert status == 2 and err.count("\n") == 1, err
+    assert "task.name='missing_dep_task' is not a known task" in err
+    assert "needs_missing_dep (no module named 'no_such_dependency_xyz')" in err
+    # A missing module of the project itself is a bug: raised, not skipped.
+    with pytest.raises(ModuleNotFoundError, match="sbm_jax.no_such_module"):
+        run(f"--config={SYNTHETIC}:sbm,smoke", task_modules=("broken_project_import",))
+
+
+def test_a_task_name_whose_fields_the_config_lacks_is_one_line(tmp_path):
+    status, _, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke",
+        "--config.task.name=glue_sst2",
+        f"--output_dir={tmp_path / 'run'}",
+    )
+    assert status == 2 and err.count("\n") == 1, err
+    assert "config.task.name='glue_sst2': this config lacks config.data" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_lra_config_errors_come_before_any_data_is_generated(tmp_path):
     listops = os.path.join(ROOT, "configs", "lra", "listops.py")
     data_dir = tmp_path / "data"

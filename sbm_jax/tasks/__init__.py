@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,19 @@ def task_config_errors(config: Any) -> list[str]:
         check(config)
     except (ValueError, TypeError, FileNotFoundError) as e:
         return [str(e)]
+    except (AttributeError, KeyError) as e:  # a config made for another task
+        field = _missing_field(e)
+        return [
+            f"task.name={name!r}: this config lacks {field or 'a field'} that task reads "
+            f"(use a config file made for {name!r})"
+        ]
     return []
+
+
+def _missing_field(error: BaseException) -> str | None:
+    """``config.<name>`` of the field an ml_collections lookup missed, if it says."""
+    match = re.search(r"'([A-Za-z_]\w*)'", str(error))
+    return f"config.{match.group(1)}" if match else None
 
 
 def build_task(config: Any, output_dir: str | None = None) -> Task:

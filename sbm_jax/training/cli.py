@@ -32,7 +32,7 @@ import importlib.util
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import ml_collections
@@ -260,6 +260,46 @@ def _without_config_spec(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# Packages of this project: a task module that fails to import one of these has a bug,
+# which is raised, not skipped.
+PROJECT_PACKAGES = frozenset({"sbm_jax", "lra", "glue", "configs", "scripts", "tests"})
+
+
+def import_task_modules(modules: Sequence[str]) -> dict[str, str]:
+    """Import ``modules`` so that their tasks register; returns ``{module: reason}`` for
+    those skipped because a dependency outside the project is not installed (e.g. GLUE's
+    ``tokenizers`` where only the LRA packages are), so that the other tasks still run.
+
+    Raises:
+      ModuleNotFoundError: a module of the project itself is missing (a bug).
+    """
+    skipped: dict[str, str] = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] in PROJECT_PACKAGES or not e.name:
+                raise
+            skipped[module] = f"no module named {e.name!r}"
+    return skipped
+
+
+def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None:
+    """For a ``config.task.name`` that no imported module registered while some task
+    modules were skipped: one message naming them and what they lack."""
+    from sbm_jax.tasks import available_tasks
+
+    task = config.get("task") if hasattr(config, "get") else None
+    name = task.get("name") if hasattr(task, "get") else None
+    if not skipped or name in available_tasks():
+        return None
+    reasons = ", ".join(f"{m} ({why})" for m, why in skipped.items())
+    return (
+        f"task.name={name!r} is not a known task; the task modules {reasons} could not "
+        "be imported: install what they need to train their tasks"
+    )
+
+
 def check_config(config: Any) -> list[str]:
     """Every problem of ``config`` that can be found without data: the sections
     (``config_errors``), the task's fields, ``init_from`` and the mesh."""
@@ -294,7 +334,9 @@ def main(
 
     Args:
       argv: the command line, program name first.
-      task_modules: modules to import so that their tasks register (e.g. "lra.train_task").
+      task_modules: modules to import so that their tasks register (e.g. "lra.train_task");
+        one that needs a package that is not installed is skipped, and only its tasks
+        are unavailable (``import_task_modules``).
       adjust: ``(config, flag values) -> None`` applied after parsing (for aliases that
         map their own flags onto config fields).
       define_extra: ``flag values -> None`` defining those aliases' extra flags.
@@ -320,8 +362,7 @@ def main(
     spec = _config_spec(argv)
     if not spec:
         return fail("--config is required, e.g. --config=configs/synthetic.py:quick (see --help)")
-    for module in task_modules:
-        importlib.import_module(module)
+    skipped = import_task_modules(task_modules)
     try:
         config = load_config_file(spec)
     except ConfigError as e:
@@ -361,6 +402,9 @@ def main(
 
     primary = jax.process_index() == 0
     errors = check_config(config)
+    note = unavailable_task_note(config, skipped)
+    if note is not None:
+        errors = [note] + [e for e in errors if not e.startswith("task.name=")]
     if fv.print_config or fv.dry_run:
         if primary:
             out.write(str(config))
