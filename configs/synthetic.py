@@ -64,6 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.name = f"synthetic_{mechanism}" + ("" if length == "paper" else f"_{length}")  # run name
     config.seed = 0  # seeds parameters, graph sampling, dropout and the data
     config.output_dir = ""  # "" -> runs/<name>-<timestamp>; --output_dir overrides
+    config.init_from = ""  # "" or a run / checkpoint whose parameters start this one
 
     config.task = ml_collections.ConfigDict()
     config.task.name = "synthetic"  # task registry name
@@ -109,6 +110,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.density_lambda = 0.0  # weight of the mean-density regulariser
     config.train.log_every = 10  # steps between host syncs (every step is still logged)
     config.train.eval_every = 0  # steps between evaluations (0: only at the end)
+    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
+    #   accumulation over micro-batches (0: the whole per-device share in one pass)
+    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 500  # steps between "latest" checkpoints (also at evals)
+    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
+    config.checkpoint.best_metric = "accuracy"  # eval metric that picks the best checkpoint
+    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
+    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
 
     if length == "quick":
         seq_len.set(64)

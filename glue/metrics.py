@@ -40,7 +40,14 @@ def classification_metrics(
 
     Also ``num_examples``. For ``num_classes == 2``, ``f1`` is the positive-class F1.
     """
-    confusion = confusion_matrix(predictions, labels, num_classes)
+    return metrics_from_confusion(confusion_matrix(predictions, labels, num_classes))
+
+
+def metrics_from_confusion(confusion: np.ndarray) -> dict[str, float]:
+    """``classification_metrics`` from a confusion matrix [true, predicted] (what the
+    trainer's evaluation accumulates)."""
+    confusion = np.asarray(confusion)
+    num_classes = confusion.shape[0]
     total = int(confusion.sum())
     f1s = per_class_f1(confusion)
     accuracy = float(np.trace(confusion) / total) if total else 0.0

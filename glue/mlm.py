@@ -10,6 +10,7 @@ over the scored (masked) positions only.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,13 +20,13 @@ from tokenizers import Tokenizer
 from glue import corpus as corpus_lib
 from glue.data import EpochStream
 from glue.masking import mask_tokens
-from glue.models import mlm_model_inputs
+from glue.models import build_mlm_model, mlm_model_inputs
 from glue.tokenizer import (
     NUM_SPECIAL,
+    TOKENIZER_FILE,
     SpecialIds,
     encode_texts,
     load_tokenizer,
-    save_tokenizer,
     special_ids,
     train_tokenizer,
 )
@@ -36,10 +37,10 @@ _EVAL_STREAM = 2
 
 
 def load_documents(config: Any) -> list[str]:
-    """Documents from ``data.corpus`` (local glob; ``--corpus``) or ``data.tfds_name``."""
+    """Documents from ``data.corpus`` (local glob) or ``data.tfds_name``."""
     data = config.data
     if data.corpus:
-        docs = corpus_lib.read_local_corpus(str(data.corpus), flag="--corpus")
+        docs = corpus_lib.read_local_corpus(str(data.corpus), flag="config.data.corpus")
     elif data.tfds_name:
         docs = list(
             corpus_lib.iter_tfds_corpus(
@@ -52,31 +53,29 @@ def load_documents(config: Any) -> list[str]:
             )
         )
     else:
-        raise ValueError("no corpus: pass --corpus=path/*.txt (data.corpus) or set data.tfds_name")
+        raise ValueError(
+            "data.corpus is empty and so is data.tfds_name: give --config.data.corpus='text/*.txt'"
+            " or a TFDS text builder"
+        )
     if int(data.max_documents) > 0:
         docs = docs[: int(data.max_documents)]
     return docs
 
 
-def prepare_tokenizer(
-    config: Any, documents: list[str], output_dir: str | None
-) -> tuple[Tokenizer, str | None]:
-    """Load ``data.tokenizer`` or train one on ``documents`` (``model.vocab_size``).
-
-    The tokenizer is saved as ``<output_dir>/tokenizer.json`` when ``output_dir`` is
-    given. Returns (tokenizer, saved path or None).
-    """
+def prepare_tokenizer(config: Any, documents: list[str], run_dir: str | None = None) -> Tokenizer:
+    """The run's tokenizer: the one a resumed run saved in ``run_dir``, else
+    ``data.tokenizer``, else one trained on ``documents`` (``model.vocab_size``)."""
+    saved = os.path.join(run_dir, TOKENIZER_FILE) if run_dir else ""
+    if saved and os.path.isfile(saved):
+        return load_tokenizer(saved, flag="the run's tokenizer.json")
     if config.data.tokenizer:
-        tokenizer = load_tokenizer(str(config.data.tokenizer), flag="--tokenizer")
-    else:
-        tokenizer = train_tokenizer(
-            documents,
-            int(config.model.vocab_size),
-            int(config.data.tokenizer_min_frequency),
-            field="model.vocab_size",
-        )
-    path = save_tokenizer(tokenizer, output_dir) if output_dir else None
-    return tokenizer, path
+        return load_tokenizer(str(config.data.tokenizer), flag="config.data.tokenizer")
+    return train_tokenizer(
+        documents,
+        int(config.model.vocab_size),
+        int(config.data.tokenizer_min_frequency),
+        field="model.vocab_size",
+    )
 
 
 @dataclasses.dataclass
@@ -159,6 +158,7 @@ def build_mlm_task_from_data(config: Any, data: MlmData) -> Task:
                 np.random.default_rng([seed, _EVAL_STREAM, i]), data.eval[rows], **kwargs
             )
             batch["weights"] = batch["weights"] * real[:, None]
+            batch["example_mask"] = real
             held_out.append(batch)
 
         def eval_batches() -> list[Batch]:
@@ -171,4 +171,5 @@ def build_mlm_task_from_data(config: Any, data: MlmData) -> Task:
         eval_batches=eval_batches,
         loss_fn=classification_loss,
         model_inputs=mlm_model_inputs,
+        make_model=build_mlm_model,
     )

@@ -9,13 +9,16 @@ batches as dicts of numpy arrays:
   ``[B, L] bool``, ``targets [B] int32``, ``example_mask [B] bool``.
 
 ``example_mask`` is False only for the filler rows that complete the last evaluation
-batch (so every batch has the static shape the device mesh needs); training batches
-drop the remainder instead.  ``B`` is the per-host batch size: the caller sizes it for
-its mesh (a multiple of the data-parallel devices on this host) and, with several
-hosts, passes ``shard_index=jax.process_index(), shard_count=jax.process_count()``.
+batch (so every batch has the static shape the device mesh needs).
 
-Order is a pure function of (seed, epoch): grain shuffles by index with a per-epoch
-seed, and the iterator's ``get_state()`` / ``set_state()`` resume it exactly.
+Training (``train_examples``): a random-access grain ``MapDataset`` of endless shuffled,
+padded examples (shuffled per epoch by (seed, epoch), repeated), so the examples of any
+step are found by index and a resumed run reads exactly what an uninterrupted one would.
+Evaluation (``make_dataset``): file order, one pass, batched, the last batch filled up.
+
+A sequence longer than ``max_length`` is an error (``SequenceTooLong``) unless the
+caller asks to ``truncate``; ``length_report`` counts such sequences up front so that a
+run can refuse or report them before it starts.
 """
 
 from __future__ import annotations
@@ -76,17 +79,32 @@ def open_split(
     return builder.as_data_source(split=spec.splits[split])
 
 
-def pad_tokens(tokens: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cuts or right-pads a token sequence.
+class SequenceTooLong(ValueError):
+    """A sequence is longer than the padded length and truncation was not asked for."""
+
+
+def pad_tokens(
+    tokens: np.ndarray, max_length: int, truncate: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads (or, with ``truncate``, cuts) a token sequence.
 
     Args:
       tokens: [n] integer ids.
       max_length: L.
+      truncate: cut sequences longer than L to their first L tokens; False: such a
+        sequence raises ``SequenceTooLong``.
 
     Returns:
       (ids int32 [L], mask bool [L]); padding is id 0 with mask False.
     """
-    tokens = np.asarray(tokens).reshape(-1)[:max_length]
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.shape[0] > max_length:
+        if not truncate:
+            raise SequenceTooLong(
+                f"a sequence of {tokens.shape[0]} tokens is longer than max_length="
+                f"{max_length} (set task.truncate=True to cut such sequences)"
+            )
+        tokens = tokens[:max_length]
     ids = np.zeros((max_length,), dtype=np.int32)
     ids[: tokens.shape[0]] = tokens
     mask = np.zeros((max_length,), dtype=bool)
@@ -100,6 +118,7 @@ class PadAndMask(grain.transforms.Map):
 
     max_length: int
     dual_input: bool = False
+    truncate: bool = False
 
     def map(self, element: dict[str, Any]) -> Batch:
         out: Batch = {
@@ -109,10 +128,12 @@ class PadAndMask(grain.transforms.Map):
         if self.dual_input:
             for i in (0, 1):
                 out[f"inputs{i}"], out[f"mask{i}"] = pad_tokens(
-                    element[f"inputs{i}"], self.max_length
+                    element[f"inputs{i}"], self.max_length, self.truncate
                 )
         else:
-            out["inputs"], out["mask"] = pad_tokens(element["inputs"], self.max_length)
+            out["inputs"], out["mask"] = pad_tokens(
+                element["inputs"], self.max_length, self.truncate
+            )
         return out
 
 
@@ -133,31 +154,92 @@ class FillBatch(grain.transforms.Map):
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LengthReport:
+    """Sequences of a split longer than a padded length.
+
+    Attributes:
+      examples: examples in the split.
+      too_long: examples with a sequence (either document for Retrieval) longer than
+        ``max_length``.
+      longest: the longest sequence's length.
+      max_length: the padded length compared against.
+    """
+
+    examples: int
+    too_long: int
+    longest: int
+    max_length: int
+
+
+def length_report(source: Any, *, task: str, max_length: int) -> LengthReport:
+    """Scans ``source`` (every example once) for sequences longer than ``max_length``.
+
+    Fixed-length tasks (the pixel tasks) are not scanned: every example has the task's
+    length.
+    """
+    spec = tasks.get_task(task)
+    count = len(source)
+    if spec.fixed_length:
+        over = count if spec.max_length > max_length else 0
+        return LengthReport(count, over, spec.max_length if count else 0, max_length)
+    keys = ("inputs0", "inputs1") if spec.dual_input else ("inputs",)
+    too_long, longest = 0, 0
+    getitems = getattr(source, "__getitems__", None)
+    chunk = 1024
+    for start in range(0, count, chunk):
+        indices = list(range(start, min(start + chunk, count)))
+        items = getitems(indices) if getitems is not None else [source[i] for i in indices]
+        for item in items:
+            n = max(int(np.asarray(item[k]).reshape(-1).shape[0]) for k in keys)
+            longest = max(longest, n)
+            too_long += n > max_length
+    return LengthReport(count, too_long, longest, max_length)
+
+
+def train_examples(
+    source: Any, *, task: str, max_length: int, seed: int, truncate: bool = False
+) -> grain.MapDataset:
+    """Endless shuffled, padded training examples (random access; unbatched).
+
+    Example ``s * B + r`` is row ``r`` of the batch of step ``s`` for batch size ``B``
+    (``batch_examples``); epoch ``e`` is the source shuffled by (seed, e).
+    """
+    spec = tasks.get_task(task)
+    if len(source) < 1:
+        raise ValueError("the training split is empty")
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
+    return ds.map(PadAndMask(max_length=max_length, dual_input=spec.dual_input, truncate=truncate))
+
+
+def batch_examples(examples: grain.MapDataset, batch_size: int) -> grain.MapDataset:
+    """``train_examples`` as batches of ``batch_size`` (random access; index = step)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return examples.batch(batch_size, drop_remainder=True)
+
+
 def make_dataset(
     source: Any,
     *,
     task: str,
     batch_size: int,
-    train: bool,
-    seed: int = 0,
     max_length: int | None = None,
-    num_epochs: int | None = None,
+    truncate: bool = False,
     shard_index: int = 0,
     shard_count: int = 1,
     worker_count: int = 0,
 ) -> grain.IterDataset:
-    """Builds the batched pipeline over a random-access `source`.
+    """The evaluation pipeline over a random-access `source`: file order, one pass,
+    batched, the last batch filled up with all-padding rows (``example_mask`` False).
 
     Args:
       source: e.g. `open_split(...)` (anything with __len__ and __getitem__ that
         returns stored examples).
       task: a key of `lra.tasks.TASKS`.
       batch_size: rows per host batch B.
-      train: True: shuffle (per-epoch reshuffle), repeat `num_epochs` (None = forever),
-        drop the remainder.  False: file order, one pass, last batch filled up.
-      seed: shuffle seed in [0, 2**32).
-      max_length: L; default the task's reference length.  Longer sequences are cut.
-      num_epochs: passes over the data when training (None = endless).
+      max_length: L; default the task's reference length.
+      truncate: cut longer sequences to L (else they raise ``SequenceTooLong``).
       shard_index, shard_count: this host's share of the examples (strided).
       worker_count: > 0 runs the transforms in that many worker processes.
 
@@ -175,12 +257,8 @@ def make_dataset(
     ds = grain.MapDataset.source(source)
     if shard_count > 1:
         ds = ds[shard_index::shard_count]
-    if train:
-        ds = ds.shuffle(seed=seed).repeat(num_epochs)
-    ds = ds.map(PadAndMask(max_length=length, dual_input=spec.dual_input))
-    ds = ds.batch(batch_size, drop_remainder=train)
-    if not train:
-        ds = ds.map(FillBatch(batch_size))
+    ds = ds.map(PadAndMask(max_length=length, dual_input=spec.dual_input, truncate=truncate))
+    ds = ds.batch(batch_size, drop_remainder=False).map(FillBatch(batch_size))
     it_ds = ds.to_iter_dataset()
     if worker_count > 0:
         it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
@@ -194,16 +272,8 @@ def create_dataset(
     *,
     batch_size: int,
     config: str | None = None,
-    train: bool | None = None,
     **kwargs: Any,
 ) -> grain.IterDataset:
-    """`make_dataset(open_split(data_dir, task, split, config), ...)`; train defaults to
-    split == 'train'."""
+    """`make_dataset(open_split(data_dir, task, split, config), ...)`: evaluation order."""
     source = open_split(data_dir, task, split, config)
-    return make_dataset(
-        source,
-        task=task,
-        batch_size=batch_size,
-        train=(split == "train") if train is None else train,
-        **kwargs,
-    )
+    return make_dataset(source, task=task, batch_size=batch_size, **kwargs)

@@ -19,6 +19,12 @@ regenerated alone and generation is reproducible byte for byte.
 Generation aborts a tree as soon as it reaches ``max_length`` tokens.  This changes
 nothing about the accepted trees' distribution (the acceptance event is the same, and
 the next attempt is a fresh draw), it only saves time on huge rejected trees.
+
+Sizes that cannot be met fail fast instead of looping forever: ``count_expressions``
+counts the distinct expressions the parameters allow (exactly, by dynamic programming
+over tree sizes), and ``generate_split`` refuses a split larger than that count; a
+split that keeps drawing duplicates, or lengths that are possible but practically never
+drawn, stop with an error after a bounded number of draws.
 """
 
 from __future__ import annotations
@@ -72,6 +78,56 @@ class _TooLong(Exception):
     pass
 
 
+# Bounds on the draws behind one example (far above what any feasible setting needs:
+# LRA's lengths accept about one tree in 20).
+MAX_DRAWS_PER_EXAMPLE = 1_000_000
+MAX_DUPLICATES_PER_EXAMPLE = 20_000
+
+
+def count_expressions(params: ListOpsParams, cap: int = 2**62) -> int:
+    """The number of distinct expressions with ``min_length < length < max_length``
+    that the generator can draw, or ``cap`` if there are at least that many.
+
+    Trees are counted by token count: a subtree at depth ``d`` is one of 10 digits (one
+    token) or, while ``d < max_depth``, one of 4 operators with 2..``max_args``
+    children, ``2 + sum(children)`` tokens. Prefix order with closing ``]`` tokens makes
+    distinct trees distinct token sequences.
+    """
+    size = params.max_length  # lengths 0 .. max_length - 1
+    cap_f = float(cap)
+    subtree = np.zeros(size)
+    subtree[1] = 10.0  # depth max_depth: digits only
+    for _ in range(params.max_depth - 1):  # depths max_depth - 1 .. 1
+        children = np.zeros(size)
+        power = subtree.copy()
+        for _k in range(2, params.max_args + 1):
+            power = np.minimum(np.convolve(power, subtree)[:size], cap_f)
+            children = np.minimum(children + power, cap_f)
+        level = np.zeros(size)
+        level[1] = 10.0
+        level[2:] = np.minimum(4.0 * children[: size - 2], cap_f)
+        subtree = level
+    total = float(np.sum(subtree[params.min_length + 1 : params.max_length]))
+    return int(min(total, cap_f))
+
+
+def check_sizes(params: ListOpsParams, sizes: dict[str, int]) -> None:
+    """Raise ``ValueError`` when a split asks for more distinct expressions than the
+    parameters allow (``count_expressions``)."""
+    largest = max(sizes.values(), default=0)
+    if largest <= 0:
+        return
+    available = count_expressions(params, cap=largest)
+    if available < largest:
+        split = max(sizes, key=lambda k: sizes[k])
+        raise ValueError(
+            f"ListOps cannot give {largest} distinct {split} examples with "
+            f"{params.min_length} < length < {params.max_length} (max_depth="
+            f"{params.max_depth}, max_args={params.max_args}): only {available} such "
+            "expressions exist; widen the lengths or ask for fewer examples"
+        )
+
+
 def _apply(op_index: int, args: list[int]) -> int:
     op = _OPS[op_index]
     if op == "[MIN":
@@ -107,7 +163,7 @@ def sample_expression(rng: random.Random, params: ListOpsParams) -> tuple[np.nda
     Returns:
       (token ids int32 [length], label in 0..9).
     """
-    while True:
+    for _ in range(MAX_DRAWS_PER_EXAMPLE):
         out: list[int] = []
         try:
             value = _draw_node(rng, 1, params, out)
@@ -115,6 +171,11 @@ def sample_expression(rng: random.Random, params: ListOpsParams) -> tuple[np.nda
             continue
         if params.min_length < len(out) < params.max_length:
             return np.asarray(out, dtype=np.int32), value
+    raise ValueError(
+        f"no ListOps tree with {params.min_length} < length < {params.max_length} in "
+        f"{MAX_DRAWS_PER_EXAMPLE} draws (max_depth={params.max_depth}): such lengths are "
+        "possible but practically never drawn; widen the lengths"
+    )
 
 
 def example_rng(seed: int, split: str, index: int) -> random.Random:
@@ -132,13 +193,20 @@ def generate_split(
     """
     if num_examples < 0:
         raise ValueError(f"num_examples must be >= 0, got {num_examples}")
+    check_sizes(params, {split: num_examples})
     seen: set[bytes] = set()
     for index in range(num_examples):
         rng = example_rng(seed, split, index)
-        while True:
+        for _ in range(MAX_DUPLICATES_PER_EXAMPLE):
             ids, label = sample_expression(rng, params)
             digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
             if digest not in seen:
                 break
+        else:
+            raise ValueError(
+                f"ListOps example {index} of split {split!r}: {MAX_DUPLICATES_PER_EXAMPLE} "
+                f"draws in a row repeated earlier examples ({params.min_length} < length < "
+                f"{params.max_length}); widen the lengths or ask for fewer examples"
+            )
         seen.add(digest)
         yield index, ids, label

@@ -119,8 +119,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         prepare(FLAGS.task)
-    except builders.MissingFilesError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (builders.MissingFilesError, builders.MalformedFileError, ValueError) as e:
+        # Bad input (missing or malformed release files, sizes that cannot be met): one
+        # line naming the file and line or the option, exit 2.
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -29,6 +29,8 @@ class TaskSpec:
       dual_input: True for Retrieval (two documents per example).
       splits: pipeline split name -> stored split name.
       padding_id: the id used for padding (for pixel tasks padding never happens).
+      fixed_length: every stored example has exactly ``max_length`` tokens (the pixel
+        tasks: a 32x32 image is 1024 pixels), so lengths need no scan.
     """
 
     name: str
@@ -40,6 +42,7 @@ class TaskSpec:
     dual_input: bool
     splits: Mapping[str, str]
     padding_id: int = vocab.PAD_ID
+    fixed_length: bool = False
 
 
 _STANDARD_SPLITS = {"train": "train", "validation": "validation", "test": "test"}
@@ -85,6 +88,7 @@ TASKS: dict[str, TaskSpec] = {
         max_length=1024,
         dual_input=False,
         splits=_STANDARD_SPLITS,
+        fixed_length=True,
     ),
     "pathfinder": TaskSpec(
         name="pathfinder",
@@ -95,6 +99,7 @@ TASKS: dict[str, TaskSpec] = {
         max_length=1024,
         dual_input=False,
         splits=_STANDARD_SPLITS,
+        fixed_length=True,
     ),
 }
 

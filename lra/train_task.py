@@ -4,7 +4,13 @@
 Importing this module registers them (``scripts/train.py`` does). Config fields read,
 all under ``config.task`` (documented in ``configs/lra/common.py``): ``source``
 ("tfds" | "generated" | "mock"), ``data_dir``, ``data_config``, ``max_length``,
-``eval_batch_size``, ``max_eval_batches``, ``generate``, ``mock_examples``.
+``truncate``, ``eval_batch_size``, ``max_eval_batches``, ``generate``, ``mock_examples``.
+``check_config`` checks them (and the model fields they bind) without reading data; the
+registry runs it before anything is generated.
+
+Sequences longer than ``task.max_length`` are an error naming the dataset, the split,
+how many there are and the longest length, unless ``task.truncate`` is True, in which
+case they are cut and the run says how many.
 
 Batches are the grain pipeline's (``lra.input_pipeline``) plus ``weights`` float32
 [batch] (= ``example_mask``, so filler rows of the last eval batch count for nothing).
@@ -27,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 from lra import builders, input_pipeline
@@ -34,11 +41,11 @@ from lra import tasks as lra_tasks
 from sbm_jax.tasks import register_task
 from sbm_jax.training.task import (
     Batch,
+    Task,
     classification_loss,
     default_model_inputs,
     dual_encoder_model_inputs,
 )
-from sbm_jax.training.trainer import TrainerTask
 
 SOURCES = ("tfds", "generated", "mock")
 
@@ -87,6 +94,16 @@ class MockSource:
         return {"inputs": tokens, "targets": np.int32(int(tokens[0]) % self.spec.num_classes)}
 
 
+def generated_config(task: str, cfg: Any) -> Any:
+    """The builder config of ``task.generate`` (checked, nothing generated)."""
+    options = cfg.get("generate") or {}
+    options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+    try:
+        return builders.make_config(task, source="generated", **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"task.generate={options} is not valid for {task!r}: {e}") from None
+
+
 def _data_config(task: str, cfg: Any) -> str | None:
     """The builder config name to read; for source="generated" the dataset is prepared
     under data_dir first if missing."""
@@ -96,11 +113,7 @@ def _data_config(task: str, cfg: Any) -> str | None:
             raise ValueError(
                 f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
             )
-        options = dict(cfg.get("generate") or {})
-        try:
-            config = builders.make_config(task, source="generated", **options)
-        except TypeError as e:
-            raise ValueError(f"task.generate={options} is not valid for {task!r}: {e}") from None
+        config = generated_config(task, cfg)
         try:
             input_pipeline.dataset_dir(data_dir, task, config.name)
         except FileNotFoundError:
@@ -138,33 +151,12 @@ def _add_weights(batch: Batch) -> Batch:
     return out
 
 
-def train_examples(
-    source: Any, task: str, batch_size: int, max_length: int, seed: int
-) -> grain.MapDataset:
-    """Endless shuffled, padded training examples (random access; unbatched)."""
-    spec = lra_tasks.get_task(task)
-    if len(source) < batch_size:
-        raise ValueError(
-            f"the training split has {len(source)} examples, fewer than "
-            f"train.batch_size={batch_size}"
-        )
-    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
-    return ds.map(input_pipeline.PadAndMask(max_length=max_length, dual_input=spec.dual_input))
-
-
-def train_dataset(
-    source: Any, task: str, batch_size: int, max_length: int, seed: int
-) -> grain.MapDataset:
-    """Endless shuffled training batches as a random-access dataset (index = step)."""
-    ds = train_examples(source, task, batch_size, max_length, seed)
-    return ds.batch(batch_size, drop_remainder=True).map(_add_weights)
-
-
 def train_rows(examples: grain.MapDataset, batch_size: int, step: int, rows: Any) -> Batch:
     """Rows ``rows`` (int [n], indices into the global batch) of step ``step``'s batch.
 
-    Equal to ``train_dataset(...)[step]`` restricted to those rows: row ``r`` is example
-    ``step * batch_size + r`` of ``examples`` (``train_examples``).
+    Equal to ``batch_examples(examples, batch_size)[step]`` (with weights) restricted to
+    those rows: row ``r`` is example ``step * batch_size + r`` of ``examples``
+    (``input_pipeline.train_examples``).
     """
     rows = np.asarray(rows, np.int64)
     if rows.ndim != 1 or rows.size == 0 or rows.min() < 0 or rows.max() >= batch_size:
@@ -174,11 +166,16 @@ def train_rows(examples: grain.MapDataset, batch_size: int, step: int, rows: Any
 
 
 def eval_batches(
-    source: Any, task: str, batch_size: int, max_length: int, max_batches: int = 0
+    source: Any,
+    task: str,
+    batch_size: int,
+    max_length: int,
+    max_batches: int = 0,
+    truncate: bool = False,
 ) -> Iterable[Batch]:
     """File-order evaluation batches, the last one filled up with zero-weight rows."""
     ds = input_pipeline.make_dataset(
-        source, task=task, batch_size=batch_size, train=False, max_length=max_length
+        source, task=task, batch_size=batch_size, max_length=max_length, truncate=truncate
     )
     for i, batch in enumerate(ds):
         if max_batches and i >= max_batches:
@@ -187,11 +184,12 @@ def eval_batches(
 
 
 def check_config(task: str, config: Any) -> None:
-    """Task-specific checks; messages name the field."""
+    """Task-specific checks of the config alone (no data is read); messages name the
+    field."""
     spec = lra_tasks.get_task(task)
     cfg, model = config.task, config.model
     length = cfg.get("max_length")
-    if not isinstance(length, int) or length < 1:
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ValueError(f"task.max_length={length!r} must be a positive integer")
     if model.get("max_len", 0) < length:
         raise ValueError(f"model.max_len={model.get('max_len')} is below task.max_length={length}")
@@ -208,19 +206,72 @@ def check_config(task: str, config: Any) -> None:
         value = cfg.get(name, 0)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"task.{name}={value!r} must be a non-negative integer")
+    if not isinstance(cfg.get("truncate", False), bool):
+        raise ValueError(f"task.truncate={cfg.get('truncate')!r} must be True or False")
+    if cfg.get("source") not in SOURCES:
+        raise ValueError(f"task.source={cfg.get('source')!r} must be one of {SOURCES}")
+    if cfg.source == "mock":
+        n = cfg.get("mock_examples", 64)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"task.mock_examples={n!r} must be >= 1")
+    if cfg.source == "generated":
+        if task not in ("listops", "pathfinder"):
+            raise ValueError(
+                f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
+            )
+        generated_config(task, cfg)
 
 
-def build_lra_task(task: str, config: Any) -> TrainerTask:
-    """The ``TrainerTask`` of LRA ``task`` from ``config`` (see the module docstring)."""
+def check_lengths(source: Any, task: str, split: str, config: Any, where: str) -> None:
+    """Refuse (or, with ``task.truncate``, report) sequences longer than
+    ``task.max_length`` in one split."""
+    length = int(config.task.max_length)
+    report = input_pipeline.length_report(source, task=task, max_length=length)
+    if not report.too_long:
+        return
+    what = (
+        f"{report.too_long} of {report.examples} {split} examples of {where} are longer than "
+        f"task.max_length={length} (the longest has {report.longest} tokens)"
+    )
+    if not config.task.get("truncate", False):
+        raise ValueError(f"{what}; set task.truncate=True to cut them, or raise task.max_length")
+    if jax.process_index() == 0:
+        print(f"task.truncate=True: cutting {what}", flush=True)
+
+
+def _where(task: str, config: Any) -> str:
+    cfg = config.task
+    if cfg.source == "mock":
+        return "the mock data"
+    data_dir = cfg.get("data_dir") or default_data_dir()
+    try:
+        return input_pipeline.dataset_dir(data_dir, task, _data_config(task, cfg))
+    except FileNotFoundError:
+        return data_dir
+
+
+def build_lra_task(task: str, config: Any) -> Task:
+    """The ``Task`` of LRA ``task`` from ``config`` (see the module docstring)."""
     check_config(task, config)
     spec = lra_tasks.get_task(task)
     sources = open_sources(task, config)
+    where = _where(task, config)
+    for split, source in sources.items():
+        check_lengths(source, task, split, config, where)
     length = int(config.task.max_length)
+    truncate = bool(config.task.get("truncate", False))
     batch_size = int(config.train.batch_size)
+    if len(sources["train"]) < batch_size:
+        raise ValueError(
+            f"the training split has {len(sources['train'])} examples, fewer than "
+            f"train.batch_size={batch_size}"
+        )
     eval_size = int(config.task.get("eval_batch_size", 0)) or batch_size
     max_eval = int(config.task.get("max_eval_batches", 0))
-    examples = train_examples(sources["train"], task, batch_size, length, int(config.seed))
-    train_ds = examples.batch(batch_size, drop_remainder=True).map(_add_weights)
+    examples = input_pipeline.train_examples(
+        sources["train"], task=task, max_length=length, seed=int(config.seed), truncate=truncate
+    )
+    train_ds = input_pipeline.batch_examples(examples, batch_size).map(_add_weights)
 
     def train_batches(start_step: int) -> Iterator[Batch]:
         step = start_step
@@ -238,16 +289,16 @@ def build_lra_task(task: str, config: Any) -> TrainerTask:
         cap = max_eval if split == "validation" else 0  # the test split is always whole
 
         def batches() -> Iterable[Batch]:
-            return eval_batches(sources[split], task, eval_size, length, cap)
+            return eval_batches(sources[split], task, eval_size, length, cap, truncate)
 
         return batches
 
-    return TrainerTask(
+    return Task(
         name=f"lra_{task}",
         head="dual_encoder" if spec.dual_input else "classification",
         train_batches=train_batches,
         eval_batches=split_batches("validation"),
-        test_batches=split_batches("test"),
+        test_splits={"test": split_batches("test")},
         process_train_batches=process_train_batches,
         loss_fn=classification_loss,
         model_inputs=dual_encoder_model_inputs if spec.dual_input else default_model_inputs,
@@ -255,8 +306,11 @@ def build_lra_task(task: str, config: Any) -> TrainerTask:
 
 
 def _register(task: str) -> None:
-    @register_task(f"lra_{task}")
-    def build(config: Any) -> TrainerTask:
+    def check(config: Any) -> None:
+        check_config(task, config)
+
+    @register_task(f"lra_{task}", check=check)
+    def build(config: Any) -> Task:
         return build_lra_task(task, config)
 
     build.__doc__ = f"LRA {task} (see lra.train_task.build_lra_task)."

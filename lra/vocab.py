@@ -64,6 +64,55 @@ def encode_listops(source: str) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def check_listops_expression(source: str) -> None:
+    """Checks that ``source`` is one balanced, complete ListOps expression.
+
+    Round brackets must balance (never close more than are open); in the operator
+    tokens, every ``[OP`` must be closed by a ``]`` after at least one argument, no
+    ``]`` may close nothing, and nothing may follow the end of the expression.
+
+    Raises:
+      ValueError: naming the problem and the token position (1-based, brackets counted).
+    """
+    round_depth = 0
+    stack: list[int] = []  # arguments seen by each open operator
+    done = False
+    tokens = source.split()
+    for position, tok in enumerate(tokens, start=1):
+        if tok == "(":
+            round_depth += 1
+            continue
+        if tok == ")":
+            round_depth -= 1
+            if round_depth < 0:
+                raise ValueError(f"')' at token {position} closes no '('")
+            continue
+        if done:
+            raise ValueError(f"token {tok!r} at {position} follows the end of the expression")
+        if tok == LISTOPS_CLOSE:
+            if not stack:
+                raise ValueError(f"']' at token {position} closes no operator")
+            if stack.pop() == 0:
+                raise ValueError(f"the operator closed at token {position} has no arguments")
+            if stack:
+                stack[-1] += 1
+            else:
+                done = True
+        elif tok in LISTOPS_OPERATORS:
+            stack.append(0)
+        else:
+            if stack:
+                stack[-1] += 1
+            else:
+                done = True  # a lone digit is a complete expression
+    if stack:
+        raise ValueError(f"{len(stack)} operator(s) left open at the end (missing ']')")
+    if round_depth:
+        raise ValueError(f"{round_depth} '(' left open at the end")
+    if not done:
+        raise ValueError("no expression")
+
+
 def decode_listops(ids: Sequence[int] | np.ndarray) -> str:
     """Inverse of `encode_listops` (padding ids are skipped)."""
     return " ".join(LISTOPS_TOKENS[int(i)] for i in ids if int(i) != PAD_ID)

@@ -1,12 +1,15 @@
 """Render the paper's Table 4 (rows: mechanisms, columns: SST-2 / QQP / MNLI / QNLI F1)
-from ``glue.finetune`` summaries.
+from GLUE fine-tuning summaries, and our accuracy beside it.
 
   python scripts/glue_report.py runs/glue_*/summary.json [--paper] [--output=table.md]
 
 Each summary contributes its ``headline`` (F1 of the positive class for SST-2, QQP and
 QNLI; macro-F1 averaged over matched and mismatched validation for MNLI) to the cell of
-its ``mechanism`` and ``task``, as a percentage. Several runs of one cell are averaged and
-shown as mean ± standard deviation (n runs). ``--paper`` appends the published numbers.
+its ``mechanism`` and task, as a percentage. Several runs of one cell are averaged and
+shown as mean ± standard deviation (n runs). ``--paper`` appends the published F1 rows.
+A second table holds the same runs' accuracy (``headline_accuracy``: validation
+accuracy, MNLI averaged over its two splits); the paper reports F1 only, so accuracy has
+no paper row to compare with.
 """
 
 from __future__ import annotations
@@ -66,18 +69,23 @@ def summary_paths(args: Iterable[str]) -> list[str]:
     return paths
 
 
-def collect(summaries: Sequence[dict]) -> dict[str, dict[str, list[float]]]:
-    """{mechanism: {task: [headline %, ...]}}; a summary lacking a field is an error."""
+def _task_of(summary: dict) -> str:
+    """``glue_task`` ("sst2"), else ``task`` with any ``glue_`` prefix removed."""
+    task = str(summary.get("glue_task") or summary.get("task", ""))
+    return task[len("glue_") :] if task.startswith("glue_") else task
+
+
+def collect(summaries: Sequence[dict], key: str = "headline") -> dict[str, dict[str, list[float]]]:
+    """{mechanism: {task: [summary[key] %, ...]}}; a summary lacking a field is an error."""
     cells: dict[str, dict[str, list[float]]] = {}
     for s in summaries:
-        for key in ("mechanism", "task", "headline"):
-            if key not in s:
-                raise ValueError(f"summary of {s.get('name', '?')!r} lacks {key!r}")
-        if s["task"] not in TASKS:
+        for field in ("mechanism", "task", key):
+            if s.get(field) is None:
+                raise ValueError(f"summary of {s.get('name', '?')!r} lacks {field!r}")
+        task = _task_of(s)
+        if task not in TASKS:
             raise ValueError(f"summary task {s['task']!r} is not one of {TASKS}")
-        cells.setdefault(str(s["mechanism"]), {}).setdefault(s["task"], []).append(
-            100.0 * float(s["headline"])
-        )
+        cells.setdefault(str(s["mechanism"]), {}).setdefault(task, []).append(100.0 * float(s[key]))
     return cells
 
 
@@ -116,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(path, encoding="utf-8") as f:
             summaries.append(json.load(f))
     table = render_table(collect(summaries), with_paper=args.paper)
+    table += "\nAccuracy (%), same runs (the paper reports F1 only):\n\n"
+    table += render_table(collect(summaries, "headline_accuracy"))
     sys.stdout.write(table)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

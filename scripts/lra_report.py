@@ -319,7 +319,7 @@ def token_density_maps(summary: dict[str, Any], num_inputs: int) -> tuple[np.nda
     cfg = _config(summary)
     task = build_task(cfg)
     model = build_model(cfg.model, task.head)
-    batch = next(iter(task.test_batches()))
+    batch = next(iter(task.test_splits["test"]()))
     batch = {k: v[:num_inputs] for k, v in batch.items()}
     state = create_train_state(cfg, model, task, batch)
     ckpts = RunCheckpoints(os.path.join(summary["output_dir"], "checkpoints"))

@@ -11,6 +11,10 @@ sweep goes on). Lambdas other than 0 apply to SBM only (other mechanisms sow no
 differentiable density), so they run once per seed at lambda 0. A run whose directory
 already holds summary.json is skipped; an interrupted one resumes from its checkpoint.
 ``--dry_run`` prints the commands instead. Summaries go to ``lra_report.py``.
+
+Paths: ``--root`` is made absolute (relative to the directory the sweep is started
+from) before anything else, and every run directory, log and "done" check lives under
+it; runs start in that same directory, so the sweep behaves the same from anywhere.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.
 
 
 def run_dir(root: str, task: str, mechanism: str, lam: float, seed: int) -> str:
-    """``<root>/<task>/<mechanism>_lambda<lam>_seed<seed>``."""
+    """``<root>/<task>/<mechanism>_lambda<lam>_seed<seed>``, absolute."""
+    root = os.path.abspath(os.path.expanduser(root))
     return os.path.join(root, task, f"{mechanism}_lambda{lam:g}_seed{seed}")
 
 
@@ -87,7 +92,7 @@ def main(argv: list[str]) -> None:
         sorted(set(lambdas)),
         seeds,
         _SCALE.value,
-        _ROOT.value,
+        os.path.abspath(os.path.expanduser(_ROOT.value)),
         _OVERRIDES.value,
     )
     failed = []
@@ -102,7 +107,7 @@ def main(argv: list[str]) -> None:
         print(f"run: {line}", flush=True)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "train.log"), "a", encoding="utf-8") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
         print(f"  exit {code} -> {directory}", flush=True)
         if code:
             failed.append(directory)

@@ -1,18 +1,17 @@
-"""Train a model on a task named by its config.
+"""Train a model on the task its config names, through the one trainer.
 
   python scripts/train.py --config=configs/synthetic.py:quick
-  python scripts/train.py --config=configs/synthetic.py:full --config.train.num_steps=500 \
-      --output_dir=runs/full500
+  python scripts/train.py --config=configs/lra/listops.py:sbm,smoke --config.seed=1
+  python scripts/train.py --config=configs/glue/pretrain.py:sbm,smoke \
+      --config.data.corpus='docs/*.md'
+  python scripts/train.py --config=configs/synthetic.py:sbm --print_config   # list the fields
 
-Writes metrics.jsonl, metrics.csv (step, loss, accuracy, density), metrics.png,
-config.json and summary.json into the output directory (default
-runs/<config.name>-<timestamp>) and prints a one-line summary.
-
-Exit status (configs with a ``checkpoint`` section, i.e. the full trainer): 0 when the
-run finished, or when SIGTERM / SIGINT stopped it after saving the latest checkpoint
-(the printed line says "stopped at step N (SIGTERM)"; the same command resumes it);
-3 when a non-finite loss or gradient halted it (the message names the step and the
-saved state, batch and info for ``replay_nonfinite``).
+Writes config.json, metrics.jsonl, metrics.csv (step, loss, accuracy, density),
+metrics.png, TensorBoard events, checkpoints/{latest,best}/ and summary.json into the
+output directory (default runs/<config.name>-<timestamp>; an existing run in
+--output_dir is resumed if its config matches) and prints a one-line summary. See
+``sbm_jax/training/cli.py`` for the order of the checks and the exit statuses (2: a user
+error, printed as one line; 3: a non-finite step).
 """
 
 from __future__ import annotations
@@ -23,68 +22,16 @@ import sys
 # Run from a checkout without installing: make the repository root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ml_collections  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from sbm_jax.training import cli  # noqa: E402
 
-# Task packages outside the library register their tasks when imported; LRA and GLUE
-# add one import line each here.
-import lra.train_task  # noqa: E402, F401  (registers lra_listops, lra_text, ... lra_pathfinder)
-import sbm_jax.tasks as tasks  # noqa: E402  (registers the built-in "synthetic" task)
-from sbm_jax.training import format_summary, run_training  # noqa: E402
-from sbm_jax.training.distributed import maybe_initialize_distributed  # noqa: E402
-from sbm_jax.training.trainer import (  # noqa: E402
-    NonFiniteError,
-    format_run_summary,
-    train_and_evaluate,
-)
-
-NONFINITE_EXIT_CODE = 3
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (path.py:preset).", lock_config=True
-)
-_OUTPUT_DIR = flags.DEFINE_string(
-    "output_dir", None, "Output directory (default: config.output_dir or runs/<name>-<time>)."
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-process: host:port of process 0 (or SBM_COORDINATOR)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Multi-process: number of processes (or SBM_NUM_PROCESSES)."
-)
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "Multi-process: this process's id (or SBM_PROCESS_ID)."
-)
+# Task packages outside the library register their tasks when imported.
+TASK_MODULES = ("lra.train_task", "glue.tasks")
 
 
-def run(config: ml_collections.ConfigDict, output_dir: str | None = None) -> dict:
-    """Build the task named by ``config.task.name``, train, print and return the summary."""
-    task = tasks.build_task(config)
-    if "checkpoint" in config:
-        # Configs with a checkpoint section (LRA, GLUE) get the full trainer: dev evals,
-        # best/latest checkpoints, resume, test at the best checkpoint.
-        summary = train_and_evaluate(config, task, output_dir=output_dir)
-        print(format_run_summary(summary), flush=True)
-        return summary
-    summary = run_training(config, task, output_dir=output_dir)
-    print(format_summary(summary), flush=True)
-    return summary
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required, e.g. --config=configs/synthetic.py:quick")
-    # No-op for one process; automatic on multi-host TPU slices and Slurm.
-    maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    try:
-        run(_CONFIG.value, _OUTPUT_DIR.value)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(NONFINITE_EXIT_CODE)
+def main(argv: list[str] | None = None) -> int:
+    """The exit status of one run of the command line ``argv`` (program name first)."""
+    return cli.main(list(sys.argv if argv is None else argv), task_modules=TASK_MODULES)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(task_modules=TASK_MODULES)

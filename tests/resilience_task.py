@@ -50,7 +50,7 @@ def make_config(
 
 
 def make_task(config: Any) -> Any:
-    """The LRA ListOps ``TrainerTask`` of ``config``."""
+    """The LRA ListOps ``Task`` of ``config``."""
     import lra.train_task as lra_train
 
     return lra_train.build_lra_task("listops", config)

@@ -1,5 +1,5 @@
-"""Multi-process start-up: flag/env resolution, errors, batch slices, and a real
-two-process run on localhost (CPU collectives) checked against numpy."""
+"""Multi-process start-up: flag/env resolution, errors, and a real two-process run on
+localhost (CPU collectives) checked against numpy."""
 
 from __future__ import annotations
 
@@ -135,31 +135,6 @@ def test_inconsistent_values_name_the_flag(calls, monkeypatch, kwargs, env, patt
     assert calls == []
 
 
-def test_process_batch_slices_tile_the_batch():
-    rows = [dist.process_batch_slice(12, i, 4) for i in range(4)]
-    assert [(s.start, s.stop) for s in rows] == [(0, 3), (3, 6), (6, 9), (9, 12)]
-    assert dist.process_batch_slice(5) == slice(0, 5)  # this test runs one process
-    batch = {"inputs": np.arange(24).reshape(12, 2), "targets": np.arange(12)}
-    parts = [dist.process_local_batch(batch, i, 4) for i in range(4)]
-    np.testing.assert_array_equal(np.concatenate([p["targets"] for p in parts]), np.arange(12))
-    np.testing.assert_array_equal(parts[2]["inputs"], [[12, 13], [14, 15], [16, 17]])
-
-
-def test_process_batch_slice_errors():
-    with pytest.raises(dist.DistributedConfigError, match=r"train.batch_size\) 10 does not"):
-        dist.process_batch_slice(10, 0, 4)
-    with pytest.raises(dist.DistributedConfigError, match="process_index=4 is out of range"):
-        dist.process_batch_slice(8, 4, 4)
-    with pytest.raises(dist.DistributedConfigError, match="disagree on the batch dimension"):
-        dist.process_local_batch({"a": np.zeros(4), "b": np.zeros(6)}, 0, 2)
-
-
-def test_primary_and_grain_shard_options():
-    assert dist.is_primary()
-    options = dist.grain_shard_options()
-    assert (options.shard_index, options.shard_count, options.drop_remainder) == (0, 1, True)
-
-
 # --- a real two-process job on localhost -------------------------------------------------
 
 _WORKER = textwrap.dedent(
@@ -180,8 +155,15 @@ _WORKER = textwrap.dedent(
     x = rng.normal(size=(8, 3)).astype(np.float32)   # the same global batch everywhere
     y = rng.normal(size=(8,)).astype(np.float32)
     w = np.array([0.5, -1.0, 2.0], np.float32)
-    local = dist.process_local_batch({"x": x, "y": y})
-    batch = dist.global_batch_from_process_local(local, mesh)
+    rows = 8 // jax.process_count()  # this process's rows, in process order
+    part = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+    local = {"x": x[part], "y": y[part]}
+    batch = {
+        k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data", *([None] * (v.ndim - 1)))), v,
+            (v.shape[0] * jax.process_count(), *v.shape[1:]))
+        for k, v in local.items()
+    }
     replicated = NamedSharding(mesh, P())
 
     @jax.jit
@@ -198,7 +180,7 @@ _WORKER = textwrap.dedent(
         out_shardings=replicated,
     )(batch["x"])
     print("RESULT " + json.dumps({
-        "mode": setup.mode, "primary": dist.is_primary(),
+        "mode": setup.mode, "primary": jax.process_index() == 0,
         "processes": jax.process_count(), "devices": jax.device_count(),
         "local_rows": int(local["x"].shape[0]),
         "loss": float(loss), "grad": np.asarray(grad).tolist(),

@@ -15,9 +15,13 @@ from jax.sharding import PartitionSpec as P
 from sbm_jax.attention.full import FullAttention
 from sbm_jax.attention.sbm import SBMAttention
 from sbm_jax.training.config_checks import ConfigError
-from sbm_jax.training.sharding import param_sharding, state_sharding, tree_sharding
+from sbm_jax.training.sharding import (
+    mesh_from_config,
+    param_sharding,
+    state_sharding,
+    tree_sharding,
+)
 from sbm_jax.training.state import TrainState
-from sbm_jax.training.trainer import mesh_from_config
 
 H, HD, DIM, K = 4, 3, 12, 5
 

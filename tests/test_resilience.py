@@ -17,13 +17,10 @@ import pytest
 
 from sbm_jax.models import build_model
 from sbm_jax.training.checkpoints import RunCheckpoints, restore_snapshot
+from sbm_jax.training.nonfinite import NonFiniteError, replay_nonfinite
+from sbm_jax.training.preemption import StopSignals
 from sbm_jax.training.state import create_train_state
-from sbm_jax.training.trainer import (
-    NonFiniteError,
-    StopSignals,
-    replay_nonfinite,
-    train_and_evaluate,
-)
+from sbm_jax.training.trainer import train_and_evaluate
 from tests import resilience_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

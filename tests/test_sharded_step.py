@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sbm_jax.training.config_checks import ConfigError
-from sbm_jax.training.trainer import accumulation_steps
+from sbm_jax.training.host_data import accumulation_steps
 from tests.process_testing import run_and_collect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,14 +22,15 @@ SCRIPT = textwrap.dedent(
     import json
     import jax, numpy as np
     from configs.lra import listops
-    from lra.train_task import MockSource, train_dataset
+    from lra.input_pipeline import batch_examples, train_examples
+    from lra.train_task import MockSource
     from sbm_jax.models import build_model
     from sbm_jax.training.state import create_train_state, learning_rate_schedule
     from sbm_jax.training.sharding import make_data_heads_mesh, state_sharding
     from sbm_jax.training.steps import make_mesh, make_train_step, replicated, shard_batch
     from sbm_jax.training.task import Task
-    from sbm_jax.training.trainer import (
-        make_accumulating_train_step, micro_batch_sharding, split_micro_batches)
+    from sbm_jax.training.host_data import split_micro_batches
+    from sbm_jax.training.steps import make_accumulating_train_step, micro_batch_sharding
 
     assert jax.device_count() == 8, jax.devices()
     out = {}
@@ -37,7 +38,8 @@ SCRIPT = textwrap.dedent(
         config = listops.get_config(mech + ",smoke")
         config.train.batch_size = 16
         src = MockSource("listops", "train", 64, 32, 0)
-        batch = train_dataset(src, "listops", 16, 32, 0)[0]
+        examples = train_examples(src, task="listops", max_length=32, seed=0)
+        batch = batch_examples(examples, 16)[0]
         task = Task(name="t", head="classification", train_batches=None)
         model = build_model(config.model, "classification")
         schedule = learning_rate_schedule(config.train)

@@ -1,8 +1,10 @@
-"""The shared training loop: loss falls, restart equivalence, density term, metrics output."""
+"""The trainer's pieces and its loop: loss falls, stop-and-resume equivalence, density
+term, metrics output, data parallelism."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -30,8 +32,9 @@ from sbm_jax.training import (
     make_mesh,
     make_train_step,
     shard_batch,
-    train,
+    train_and_evaluate,
 )
+from sbm_jax.training.checkpoints import RunCheckpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,18 +111,37 @@ def test_train_steps_lower_the_loss_on_a_fixed_batch():
     assert after < 0.8 * before, (before, after)
 
 
-def test_checkpoint_free_restart_gives_the_same_params():
+def _records(output_dir, split: str = "train") -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["split"] == split]
+
+
+def _final_state(config, task, output_dir):
+    model = build_model(config.model, task.head)
+    target = create_train_state(config, model, task, next(task.train_batches(0)))
+    checkpoints = RunCheckpoints(os.path.join(output_dir, "checkpoints"))
+    state, _ = checkpoints.restore_latest(target)
+    checkpoints.close()
+    return state
+
+
+def test_stopped_and_resumed_run_gives_the_same_params(tmp_path):
     config = tiny_config(num_steps=8, warmup_steps=2, end_learning_rate_factor=0.1)
     task = build_task(config)
-    straight = train(config, task, until_step=8)
-    first = train(config, task, until_step=4)
-    assert int(first.state.step) == 4
-    resumed = train(config, task, state=first.state, until_step=8)
-    assert int(resumed.state.step) == 8
-    jax.tree.map(np.testing.assert_array_equal, straight.state.params, resumed.state.params)
-    jax.tree.map(np.testing.assert_array_equal, straight.state.opt_state, resumed.state.opt_state)
-    losses = [r["loss"] for r in straight.history]
-    assert [r["loss"] for r in first.history + resumed.history] == losses
+    straight_dir, split_dir = str(tmp_path / "straight"), str(tmp_path / "split")
+    train_and_evaluate(config, task, straight_dir)
+    first = train_and_evaluate(config, task, split_dir, stop_after=4)
+    assert first["stopped_at"] == 4
+    resumed = train_and_evaluate(config, task, split_dir)
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 8
+    straight = _final_state(config, task, straight_dir)
+    after = _final_state(config, task, split_dir)
+    assert int(straight.step) == int(after.step) == 8
+    jax.tree.map(np.testing.assert_array_equal, straight.params, after.params)
+    jax.tree.map(np.testing.assert_array_equal, straight.opt_state, after.opt_state)
+    losses = [r["loss"] for r in _records(straight_dir)]
+    assert [r["loss"] for r in _records(split_dir)] == losses
+    assert [r["step"] for r in _records(split_dir)] == list(range(1, 9))
 
 
 def test_density_lambda_adds_to_the_loss_and_its_gradient():
@@ -186,23 +208,42 @@ def test_metrics_writer_and_progress_bar(tmp_path):
     assert "ETA 0:0" in last  # 70 steps at ~10/s: about 7 s
 
 
-def test_data_parallel_over_two_devices_matches_one_device():
+def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
     """Same steps with the batch split over 2 CPU devices give the same params."""
     script = textwrap.dedent(
         """
-        import os, sys
+        import json, os, sys
         import jax, numpy as np
         sys.path.insert(0, os.getcwd())
         from configs import synthetic as sc
+        from sbm_jax.models import build_model
         from sbm_jax.tasks import build_task
-        from sbm_jax.training import train, make_mesh, shard_batch
+        from sbm_jax.training import (
+            create_train_state, make_mesh, make_train_step, replicated, shard_batch,
+            train_and_evaluate)
         assert jax.device_count() == 2
-        config = sc.get_config("full,smoke")
-        config.task.seq_len = 8; config.train.batch_size = 4; config.task.eval_batches = 0
+        root = sys.argv[1]
+
+        def run(devices):
+            config = sc.get_config("full,smoke")
+            config.task.seq_len = 8; config.train.batch_size = 4; config.task.eval_batches = 0
+            config.train.num_steps = 3; config.mesh.data = devices
+            out = os.path.join(root, str(devices))
+            summary = train_and_evaluate(config, build_task(config), out)
+            assert summary["devices"] == devices, summary["devices"]
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                return config, [r for r in map(json.loads, f) if r["split"] == "train"]
+
+        config, two = run(2)
+        _, one = run(1)
         task = build_task(config)
-        two = train(config, task, until_step=3, mesh=make_mesh(2))
-        one = train(config, task, until_step=3, mesh=make_mesh(1))
-        sharding = two.state.params["encoder"]["token_embed"]["embedding"].sharding
+        mesh = make_mesh(2)
+        batch = next(task.train_batches(0))
+        state = jax.device_put(
+            create_train_state(config, build_model(config.model, task.head), task, batch),
+            replicated(mesh))
+        state, _ = make_train_step(task, mesh, 0.0)(state, shard_batch(batch, mesh))
+        sharding = state.params["encoder"]["token_embed"]["embedding"].sharding
         assert sharding.is_fully_replicated and len(sharding.device_set) == 2
         batch = shard_batch(next(task.train_batches(0)), make_mesh(2))
         shards = batch["inputs"].addressable_shards
@@ -210,8 +251,8 @@ def test_data_parallel_over_two_devices_matches_one_device():
         # Adam turns float noise in exactly-zero gradients (e.g. the key bias) into
         # +-lr steps, so compare what the math fixes: losses and gradient norms.
         for key in ("loss", "accuracy", "grad_norm"):
-            np.testing.assert_allclose([r[key] for r in two.history],
-                                       [r[key] for r in one.history], rtol=1e-4)
+            np.testing.assert_allclose([r[key] for r in two],
+                                       [r[key] for r in one], rtol=1e-4)
         print("OK")
         """
     )
@@ -219,7 +260,7 @@ def test_data_parallel_over_two_devices_matches_one_device():
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -230,8 +271,9 @@ def test_data_parallel_over_two_devices_matches_one_device():
 
 
 @pytest.mark.slow
-def test_quick_full_preset_learns():
+def test_quick_full_preset_learns(tmp_path):
     config = synthetic_config.get_config("full,quick")
     config.task.eval_batches = 0
-    result = train(config, build_task(config))
-    assert np.mean([r["accuracy"] for r in result.history[-20:]]) > 0.9
+    train_and_evaluate(config, build_task(config), str(tmp_path))
+    history = _records(tmp_path)
+    assert np.mean([r["accuracy"] for r in history[-20:]]) > 0.9

@@ -7,8 +7,8 @@ Presets after the colon, combined with commas:
   size:      paper (default: batch 32, lr 3e-5, 5 epochs, length 512) or smoke (tiny)
   task=NAME: sst2 (default), qqp, mnli, qnli
 
-  python -m glue.finetune --config=configs/glue/finetune.py:sbm,task=mnli \
-      --init_checkpoint=runs/pretrain_sbm
+  python scripts/train.py --config=configs/glue/finetune.py:sbm,task=mnli \
+      --config.init_from=runs/pretrain_sbm
 """
 
 from __future__ import annotations
@@ -29,18 +29,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.name = f"glue_{task}_{mechanism}" + ("_smoke" if smoke else "")  # run name
     config.seed = 0  # seeds the head, graph sampling, dropout and shuffling
     config.output_dir = ""  # "" -> runs/<name>-<timestamp>; --output_dir overrides
+    # The pretraining run (or one of its checkpoints: .../checkpoints/best/<step>) whose
+    # encoder, model config and tokenizer start the fine-tuning (its best checkpoint).
+    config.init_from = ""
     config.mechanism = mechanism  # preset name, the row label of the Table 4 report
 
     config.task = ml_collections.ConfigDict()
-    config.task.name = "glue"  # task family
-    config.task.glue_task = task  # sst2, qqp, mnli or qnli (TFDS glue/<task>)
+    config.task.name = f"glue_{task}"  # task registry name: glue_sst2, _qqp, _mnli, _qnli
 
     config.data = ml_collections.ConfigDict()
     config.data.max_len = 32 if smoke else 512  # padded example length (paper: 512)
+    # Cut pairs longer than max_len longest-first (BERT practice; the count is printed).
+    # False: such examples are an error naming the split.
+    config.data.truncate = True
     # Let TFDS download and prepare missing data (needs network; off for smoke runs).
+    # Offline: prepare once with `python -m glue.prepare --tasks=...`, then train.
     config.data.tfds_download = not smoke
-    config.data.tfds_data_dir = ""  # TFDS data directory ("" = TFDS default); --data_dir
-    config.data.tokenizer = ""  # tokenizer.json ("" = the one beside the checkpoint); --tokenizer
+    config.data.tfds_data_dir = ""  # TFDS data directory ("" = TFDS default)
+    config.data.tokenizer = ""  # tokenizer.json ("" = the one beside init_from's run)
     config.data.max_train_examples = 0  # use only the first N training examples (0: all)
     config.data.max_eval_examples = 0  # use only the first N examples per eval split (0: all)
 
@@ -62,8 +68,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.weight_decay = 0.01  # AdamW decoupled weight decay
     config.train.b1 = 0.9  # Adam beta1
     config.train.b2 = 0.98  # Adam beta2
+    config.train.eps = 1e-8  # Adam epsilon (optax's default, as before)
     config.train.grad_clip_norm = 1.0  # global-norm gradient clipping (0: off)
     config.train.density_lambda = 0.0  # SBM sparsity regulariser weight (paper: 0 for GLUE)
     config.train.log_every = 1 if smoke else 50  # steps between host syncs
-    config.train.eval_every = 0  # in-loop evaluation is off; every split is scored at the end
+    config.train.eval_every = 0 if smoke else 1000  # steps between dev evaluations (0: end only)
+    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
+    #   accumulation over micro-batches (0: the whole per-device share in one pass)
+    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
+    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
+    config.checkpoint.best_metric = spec.metric  # dev metric that picks the best: f1 / macro_f1
+    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
+    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
     return config

@@ -5,8 +5,10 @@ Presets after the colon, combined with commas:
              reformer, performer, linformer, nystromformer, local
   size:      paper (default: batch 256, lr 1e-4, 50 epochs, length 512) or smoke (tiny)
 
-  python -m glue.pretrain --config=configs/glue/pretrain.py:sbm --corpus='text/*.txt'
-  python -m glue.pretrain --config=configs/glue/pretrain.py:full,smoke --corpus=docs/*.md
+  python scripts/train.py --config=configs/glue/pretrain.py:sbm \
+      --config.data.corpus='text/*.txt' --output_dir=runs/pretrain_sbm
+  python scripts/train.py --config=configs/glue/pretrain.py:full,smoke \
+      --config.data.corpus='docs/*.md'
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.name = f"glue_pretrain_{mechanism}" + ("_smoke" if smoke else "")  # run name
     config.seed = 0  # seeds parameters, graph sampling, dropout, shuffling and masking
     config.output_dir = ""  # "" -> runs/<name>-<timestamp>; --output_dir overrides
+    config.init_from = ""  # "" or a run / checkpoint whose parameters start this one
 
     config.task = ml_collections.ConfigDict()
     config.task.name = "glue_mlm"  # task registry name (masked language modelling)
 
     config.data = ml_collections.ConfigDict()
-    config.data.corpus = ""  # glob(s) of local text files; --corpus sets it
+    config.data.corpus = ""  # glob(s) of local text files (comma-separated globs allowed)
     config.data.tfds_name = (
         ""  # TFDS text builder used when corpus is "" (e.g. wikipedia/20230601.en)
     )
@@ -39,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.tfds_download = not smoke
     config.data.tfds_data_dir = ""  # TFDS data directory ("" = TFDS default)
     config.data.max_documents = 0  # read at most this many documents (0: all)
-    config.data.tokenizer = ""  # existing tokenizer.json to load ("" = train one); --tokenizer
+    config.data.tokenizer = ""  # existing tokenizer.json to load ("" = train one)
     config.data.tokenizer_min_frequency = 2  # BPE: a pair must occur this often to merge
     config.data.max_len = 32 if smoke else 512  # packed sequence length (paper: 512)
     config.data.mask_rate = 0.15  # fraction of ordinary tokens selected (BERT: 0.15)
@@ -73,4 +76,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.density_lambda = 0.0  # SBM sparsity regulariser weight (paper: 0 for GLUE)
     config.train.log_every = 1 if smoke else 50  # steps between host syncs
     config.train.eval_every = 0 if smoke else 2000  # steps between held-out MLM evals (0: end only)
+    config.train.eps = 1e-8  # Adam epsilon (optax's default, as before)
+    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
+    #   accumulation over micro-batches (0: the whole per-device share in one pass)
+    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
+    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
+    config.checkpoint.best_metric = "loss"  # held-out MLM metric that picks the best checkpoint
+    config.checkpoint.best_mode = "min"  # "min" for a loss
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
+    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
     return config

@@ -146,7 +146,8 @@ def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
     lam_text = f"_lambda{lam:g}" if lam else ""
     config.name = f"lra_{task}_{mechanism}{lam_text}{suffix}_seed{seed}"  # run name
     config.seed = seed  # seeds parameters, graph sampling, dropout and data order
-    config.output_dir = ""  # "" -> runs/<name>; the same directory resumes the run
+    config.output_dir = ""  # "" -> runs/<name>-<timestamp>; an existing run there resumes
+    config.init_from = ""  # "" or a run / checkpoint whose parameters start this one
 
     config.task = ml_collections.ConfigDict()
     config.task.name = f"lra_{task}"  # task registry name (lra/train_task.py)
@@ -156,7 +157,11 @@ def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
     config.task.source = "tfds"
     config.task.data_dir = ""  # TFDS data dir; "" -> $TFDS_DATA_DIR or ~/tensorflow_datasets
     config.task.data_config = ""  # builder config name; "" -> the task's reference config
-    config.task.max_length = seq_len  # padded length per input; longer inputs are cut
+    config.task.max_length = seq_len  # padded length per input
+    # Longer inputs are an error, unless True: then they are cut (and counted). Reduced
+    # Text / Retrieval cut the stored 3072 / 4096-byte documents to 1024, as LRA cuts
+    # documents to the model's length.
+    config.task.truncate = scale == "reduced" and task in ("text", "retrieval")
     config.task.eval_batch_size = 0  # global eval batch; 0 -> train.batch_size
     config.task.max_eval_batches = 0  # cap on dev batches per evaluation (0: all; test: all)
     config.task.generate = ml_collections.ConfigDict()  # lra.builders.make_config options

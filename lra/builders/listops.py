@@ -57,10 +57,13 @@ def make_config(
         return ListOpsConfig(name="release", source="release", description="LRA release TSVs")
     if source != "generated":
         raise ValueError(f"ListOps source must be 'generated' or 'release', got {source!r}")
-    listops_generator.ListOpsParams(min_length=min_length, max_length=max_length)  # validate
+    params = listops_generator.ListOpsParams(min_length=min_length, max_length=max_length)
     sizes = (num_train, num_validation, num_test)
     if min(sizes) < 0 or max(sizes) == 0:
         raise ValueError(f"ListOps split sizes must be >= 0 and not all 0, got {sizes}")
+    listops_generator.check_sizes(
+        params, {"train": num_train, "validation": num_validation, "test": num_test}
+    )
     name = "generated"
     if sizes != (96_000, 2_000, 2_000):
         name += f"_n{num_train}-{num_validation}-{num_test}"
@@ -153,6 +156,7 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
                 raise common.MalformedFileError(path, line, "empty Source")
             try:
                 ids = vocab.encode_listops(text)
+                vocab.check_listops_expression(text)
             except ValueError as e:
                 raise common.MalformedFileError(path, line, str(e)) from None
             if ids.size == 0:

@@ -207,7 +207,8 @@ class LraPathfinder(tfds.core.GeneratorBasedBuilder):
             rel = os.path.relpath(image_path, os.path.dirname(os.path.dirname(meta_path)))
             try:
                 with Image.open(image_path) as img:
-                    pixels = np.asarray(img.convert("L"), dtype=np.uint8)
+                    mode = img.mode
+                    pixels = np.asarray(img, dtype=np.uint8) if mode == "L" else None
             except (OSError, ValueError) as e:
                 if f"{sub}/{rel}" in KNOWN_BROKEN_RELEASE_FILES:
                     logging.warning("Skipping known-broken release image %s", image_path)
@@ -215,6 +216,15 @@ class LraPathfinder(tfds.core.GeneratorBasedBuilder):
                 raise common.MalformedFileError(
                     meta_path, number, f"cannot read image {image_path}: {e}"
                 ) from None
+            if pixels is None:
+                # Converting would silently change the data (RGB -> grey weights, alpha,
+                # palettes); the release images are 8-bit grey.
+                raise common.MalformedFileError(
+                    meta_path,
+                    number,
+                    f"image {image_path} is {mode!r}, not 8-bit greyscale ('L'); convert "
+                    "it deliberately or remove it",
+                )
             if pixels.shape != (32, 32):
                 raise common.MalformedFileError(
                     meta_path, number, f"image {image_path} is {pixels.shape}, expected (32, 32)"

@@ -1,11 +1,13 @@
-"""Orbax checkpoints of a run: the latest few (for resuming) and the best on dev.
+"""Orbax checkpoints of a run: the latest few (for resuming) and the best on dev; and
+the parameters of another run's checkpoint (``config.init_from``).
 
 Layout under ``<output_dir>/checkpoints``: ``latest/<step>/`` (kept: ``max_to_keep``)
 and ``best/<step>/`` (kept: 1). Each holds the train state's pytree (``step``,
-``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the caller's bookkeeping:
-best dev metric so far, the data position ``data_index``, etc.). Restoring takes a
-target state (a fresh one from the same config) so optax's state types and the arrays'
-shardings come back as they were.
+``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the trainer's bookkeeping:
+best dev metric so far, the data position ``data_index``, the batch size and the
+resolved config the state was trained with). Restoring takes a target state (a fresh
+one from the same config) so optax's state types and the arrays' shardings come back
+as they were.
 
 ``save_snapshot`` / ``restore_snapshot`` keep one state in a directory of its own (the
 trainer's non-finite dumps). In a multi-process job every process calls every save and
@@ -23,7 +25,10 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from sbm_jax.training.config_checks import ConfigError
 from sbm_jax.training.state import TrainState
+
+CHECKPOINT_DIR = "checkpoints"
 
 
 @contextlib.contextmanager
@@ -147,35 +152,22 @@ class RunCheckpoints:
             raise ValueError(f"checkpoint.max_to_keep={max_to_keep!r} must be an integer >= 1")
         self.directory = os.path.abspath(directory)
         with _quiet():
-            self._make_managers(max_to_keep)
-
-    def _make_managers(self, max_to_keep: int) -> None:
-        self._latest = ocp.CheckpointManager(
-            os.path.join(self.directory, "latest"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        )
-        self._best = ocp.CheckpointManager(
-            os.path.join(self.directory, "best"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
-        )
-
-    @staticmethod
-    def _save(manager: ocp.CheckpointManager, state: TrainState, meta: dict[str, Any]) -> None:
-        _save_to(manager, state, meta)
+            self._latest = ocp.CheckpointManager(
+                os.path.join(self.directory, "latest"),
+                options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            )
+            self._best = ocp.CheckpointManager(
+                os.path.join(self.directory, "best"),
+                options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
+            )
 
     def save_latest(self, state: TrainState, meta: dict[str, Any]) -> None:
         """Save ``state`` as a latest checkpoint at ``state.step`` (no-op if present)."""
-        self._save(self._latest, state, meta)
+        _save_to(self._latest, state, meta)
 
     def save_best(self, state: TrainState, meta: dict[str, Any]) -> None:
         """Replace the best checkpoint with ``state``."""
-        self._save(self._best, state, meta)
-
-    @staticmethod
-    def _restore(
-        manager: ocp.CheckpointManager, target: TrainState, step: int | None
-    ) -> tuple[TrainState, dict[str, Any]] | None:
-        return _restore_from(manager, target, step)
+        _save_to(self._best, state, meta)
 
     def latest_step(self) -> int | None:
         """Step of the newest latest checkpoint, or None."""
@@ -191,13 +183,109 @@ class RunCheckpoints:
         ``target``: a state of the same structure (e.g. fresh from the same config); its
         arrays' shapes, dtypes and shardings are those restored.
         """
-        return self._restore(self._latest, target, None)
+        return _restore_from(self._latest, target, None)
 
     def restore_best(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
         """(state, meta) of the best checkpoint, or None when there is none."""
-        return self._restore(self._best, target, None)
+        return _restore_from(self._best, target, None)
 
     def close(self) -> None:
         with _quiet():
             self._latest.close()
             self._best.close()
+
+
+def _step_dirs(path: str) -> list[int]:
+    if not os.path.isdir(path):
+        return []
+    return sorted(int(name) for name in os.listdir(path) if name.isdigit())
+
+
+def find_checkpoint(path: str, field: str = "config.init_from") -> str:
+    """The one checkpoint directory (``.../<step>``) that ``path`` names.
+
+    ``path`` is a run directory (its best checkpoint, else its newest latest one), a run's
+    ``checkpoints/``, ``checkpoints/best`` or ``checkpoints/latest`` folder (the newest
+    step there), or a step directory itself. Errors name ``field``.
+
+    Raises:
+      FileNotFoundError: naming ``field`` and the path, when nothing there is a checkpoint.
+    """
+    if not path:
+        raise FileNotFoundError(f"{field} is empty; give a run directory or a checkpoint")
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{field}={path!r} does not exist")
+    if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "state")):
+        return path
+    candidates = [
+        os.path.join(path, CHECKPOINT_DIR, "best"),
+        os.path.join(path, CHECKPOINT_DIR, "latest"),
+        os.path.join(path, "best"),
+        os.path.join(path, "latest"),
+        path,
+    ]
+    for folder in candidates:
+        steps = [s for s in _step_dirs(folder) if os.path.isdir(os.path.join(folder, str(s)))]
+        if steps:
+            return os.path.join(folder, str(steps[-1]))
+    raise FileNotFoundError(f"{field}={path!r} holds no checkpoint")
+
+
+def run_dir_of_checkpoint(checkpoint: str) -> str:
+    """The run directory above ``.../checkpoints/{best,latest}/<step>`` (else its parent)."""
+    parts = os.path.abspath(checkpoint).split(os.sep)
+    if len(parts) >= 4 and parts[-3] == CHECKPOINT_DIR:
+        return os.sep.join(parts[:-3])
+    return os.path.dirname(os.path.abspath(checkpoint))
+
+
+def read_checkpoint_meta(checkpoint: str) -> dict[str, Any]:
+    """The JSON ``meta`` of one checkpoint step directory (``find_checkpoint``)."""
+    directory, step = os.path.split(os.path.abspath(checkpoint))
+    with _quiet():
+        manager = ocp.CheckpointManager(directory)
+        try:
+            restored = manager.restore(
+                int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        finally:
+            manager.close()
+    return dict(restored["meta"] or {})
+
+
+def load_params(checkpoint: str) -> Any:
+    """The ``params`` pytree (host arrays) of one checkpoint step directory."""
+    directory, step = os.path.split(os.path.abspath(checkpoint))
+    with _quiet():
+        manager = ocp.CheckpointManager(directory)
+        try:
+            restored = manager.restore(
+                int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore())
+            )
+        finally:
+            manager.close()
+    return jax.tree.map(lambda x: jax.device_get(x), restored["state"]["params"])
+
+
+def check_same_tree(fresh: Any, loaded: Any, field: str = "config.init_from") -> Any:
+    """``loaded`` if it has ``fresh``'s structure and shapes (cast to its dtypes), else a
+    ``ConfigError`` naming ``field`` and the first differing parameter."""
+    fresh_leaves = dict(jax.tree_util.tree_leaves_with_path(fresh))
+    loaded_leaves = dict(jax.tree_util.tree_leaves_with_path(loaded))
+    fresh_keys = {jax.tree_util.keystr(k): v for k, v in fresh_leaves.items()}
+    loaded_keys = {jax.tree_util.keystr(k): v for k, v in loaded_leaves.items()}
+    missing = sorted(set(fresh_keys) - set(loaded_keys))
+    extra = sorted(set(loaded_keys) - set(fresh_keys))
+    if missing or extra:
+        raise ConfigError(
+            f"{field}: the checkpoint's parameters differ from the model's: missing "
+            f"{missing[:3]}, unexpected {extra[:3]}"
+        )
+    for key, value in fresh_keys.items():
+        if tuple(value.shape) != tuple(loaded_keys[key].shape):
+            raise ConfigError(
+                f"{field}: parameter {key} has shape {tuple(value.shape)} in the model but "
+                f"{tuple(loaded_keys[key].shape)} in the checkpoint"
+            )
+    return jax.tree.map(lambda new, old: old.astype(new.dtype), fresh, loaded)

@@ -1,26 +1,60 @@
 """Start-up checks of a training config; every message names the offending field.
 
+``config_errors`` lists every problem of the sections the trainer reads (``model`` with
+every attention option, ``train``, ``checkpoint``, ``mesh``), without building a model,
+touching data or creating a directory; ``validate_config`` raises them as one
+``ConfigError`` on one line, each message starting with the field as it is written on
+the command line (``config.model.attention_options.delta must be >= 0, got -1``).
+``closest_field`` names the nearest existing field for an unknown one.
+
 Decisions:
 * ``model.num_heads * model.head_dim`` must equal ``model.emb_dim``. Every mechanism
   projects its heads back to ``emb_dim`` itself, so another width would run, but the
   paper's settings (and every preset here) use heads x head_dim = width and a mismatch
   is far more often a typo than a choice.
-* ``train.batch_size`` must be a multiple of ``jax.device_count()`` (the batch axis is
-  split evenly over the mesh's ``data`` axis).
+* ``train.batch_size`` must be a multiple of the devices of the mesh's ``data`` axis
+  (the batch axis is split evenly over it).
+* Attention options are checked by the mechanism itself where it has a ``validate()``
+  (SBM: ``delta``, ``edge_law``, ``impl``, ``capacity_buckets`` ...), and otherwise by
+  type against the option's default.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sbm_jax.attention import get_attention
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
 
+# Fields every mechanism's constructor takes from ``model``, not from its options.
+COMMON_ATTENTION_FIELDS = frozenset(
+    {"parent", "name", "num_heads", "head_dim", "out_dim", "attention_dropout", "dtype"}
+)
+
 
 class ConfigError(ValueError):
     """A config field holds a bad value; the message names the field(s)."""
+
+
+def with_config_prefix(message: str, config: Any = None) -> str:
+    """``"model.x=1 ..."`` -> ``"config.model.x=1 ..."`` when the message starts with a
+    config field (a top-level key of ``config``, or a usual section name)."""
+    if message.startswith("config."):
+        return message
+    keys = set(config.keys()) if config is not None and hasattr(config, "keys") else set()
+    keys |= {"model", "train", "task", "checkpoint", "mesh", "data", "init_from", "output_dir"}
+    head = message.split(" ", 1)[0]
+    for key in keys:
+        if head == key or head.startswith((f"{key}.", f"{key}=")):
+            return "config." + message
+    return message
+
+
+def one_line(errors: Iterable[str], config: Any = None) -> str:
+    """Messages joined into one line, each field prefixed with ``config.``."""
+    return "; ".join(with_config_prefix(" ".join(str(e).split()), config) for e in errors)
 
 
 def _positive_int(errors: list[str], section: Any, prefix: str, name: str) -> None:
@@ -33,6 +67,79 @@ def _rate(errors: list[str], section: Any, prefix: str, name: str) -> None:
     value = section.get(name)
     if not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
         errors.append(f"{prefix}.{name}={value!r} must be a rate in [0, 1)")
+
+
+def _flag(errors: list[str], section: Any, prefix: str, name: str, default: bool) -> None:
+    if not isinstance(section.get(name, default), bool):
+        errors.append(f"{prefix}.{name}={section.get(name)!r} must be True or False")
+
+
+def _type_matches(value: Any, default: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, tuple):
+        return isinstance(value, (tuple, list))
+    return True
+
+
+def check_attention_options(model: Any, errors: list[str]) -> None:
+    """Append a message per bad ``model.attention`` / ``model.attention_options.*``."""
+    try:
+        cls = get_attention(str(model.get("attention")), field="model.attention")
+    except ValueError as e:
+        errors.append(str(e))
+        return
+    options = model.get("attention_options") or {}
+    options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    known = set(fields) - COMMON_ATTENTION_FIELDS
+    bad = False
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            errors.append(
+                f"model.attention_options.{key} is not an option of attention "
+                f"{model.attention!r}{hint}; its options are {sorted(known)}"
+            )
+            bad = True
+            continue
+        default = fields[key].default
+        if not _type_matches(value, default):
+            errors.append(
+                f"model.attention_options.{key}={value!r} must be a "
+                f"{type(default).__name__} like its default {default!r}"
+            )
+            bad = True
+    if bad:
+        return
+    validate = getattr(cls, "validate", None)
+    if validate is None:
+        return
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    try:
+        module = cls(
+            num_heads=model.get("num_heads"),
+            head_dim=model.get("head_dim"),
+            attention_dropout=model.get("attention_dropout", 0.0),
+            **options,
+        )
+        module.validate()
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        name = message.replace("=", " ").split(" ", 1)[0]
+        if name in options or name in known:
+            errors.append(f"model.attention_options.{message}")
+        elif name in ("num_heads", "head_dim", "attention_dropout"):
+            errors.append(f"model.{message}")
+        else:
+            errors.append(f"model.attention_options (attention {model.attention!r}): {message}")
 
 
 def check_model(model: Any, errors: list[str]) -> None:
@@ -60,35 +167,14 @@ def check_model(model: Any, errors: list[str]) -> None:
                 f"but must equal model.emb_dim={emb_dim}"
             )
     for name in ("remat", "scaled_residual_init"):  # optional flags, default False
-        if not isinstance(model.get(name, False), bool):
-            errors.append(f"model.{name}={model.get(name)!r} must be True or False")
+        _flag(errors, model, "model", name, False)
     if model.get("pooling") not in POOLING_MODES:
         errors.append(f"model.pooling={model.get('pooling')!r} must be one of {POOLING_MODES}")
     try:
         model_dtype(str(model.get("dtype", "float32")))
     except ValueError as e:
         errors.append(str(e))
-    try:
-        cls = get_attention(str(model.get("attention")), field="model.attention")
-    except ValueError as e:
-        errors.append(str(e))
-        return
-    options = model.get("attention_options") or {}
-    known = set(getattr(cls, "__dataclass_fields__", {})) - {
-        "parent",
-        "name",
-        "num_heads",
-        "head_dim",
-        "out_dim",
-        "attention_dropout",
-        "dtype",
-    }
-    for key in options:
-        if key not in known:
-            errors.append(
-                f"model.attention_options.{key} is not an option of attention "
-                f"{model.attention!r}; its options are {sorted(known)}"
-            )
+    check_attention_options(model, errors)
 
 
 def check_train(train: Any, device_count: int, errors: list[str]) -> None:
@@ -118,56 +204,124 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
             errors.append(f"train.{name}={value!r} must be a non-negative number")
     for name in ("b1", "b2"):
         _rate(errors, train, "train", name)
-    eval_every = train.get("eval_every", 0)
-    if not isinstance(eval_every, int) or eval_every < 0:
-        errors.append(f"train.eval_every={eval_every!r} must be a non-negative integer")
+    for name in ("eval_every", "max_per_device_batch"):
+        value = train.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            errors.append(f"train.{name}={value!r} must be a non-negative integer")
+    _flag(errors, train, "train", "halt_on_nonfinite", True)
+    if "num_epochs" in train:
+        epochs = train.get("num_epochs")
+        if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or epochs < 0:
+            errors.append(f"train.num_epochs={epochs!r} must be a non-negative number")
+    if "warmup_fraction" in train:
+        _rate(errors, train, "train", "warmup_fraction")
 
 
-def validate_config(
-    config: Any,
-    *,
-    known_tasks: Iterable[str] | None = None,
-    head: str | None = None,
-    device_count: int | None = None,
-) -> None:
-    """Raise ``ConfigError`` listing every bad field of ``config`` (task, model, train).
+def check_checkpoint(checkpoint: Any, errors: list[str]) -> None:
+    """Append a message per bad ``checkpoint.*`` field (all optional) to ``errors``."""
+    for name, default in (("every_steps", 1000), ("max_to_keep", 2)):
+        value = checkpoint.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors.append(f"checkpoint.{name}={value!r} must be an integer >= 1")
+    mode = checkpoint.get("best_mode", "max")
+    if mode not in ("max", "min"):
+        errors.append(f"checkpoint.best_mode={mode!r} must be 'max' or 'min'")
+    metric = checkpoint.get("best_metric", "accuracy")
+    if not isinstance(metric, str) or not metric:
+        errors.append(f"checkpoint.best_metric={metric!r} must name a dev metric")
+
+
+def check_mesh(mesh: Any, model: Any, errors: list[str]) -> None:
+    """Append a message per bad ``mesh.*`` field (devices are checked at start-up)."""
+    data, heads = mesh.get("data", -1), mesh.get("heads", 1)
+    for name, value in (("data", data), ("heads", heads)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            errors.append(f"mesh.{name}={value!r} must be an integer")
+            return
+    if heads < 1:
+        errors.append(f"mesh.heads={heads} must be >= 1")
+    if data != -1 and data < 1:
+        errors.append(f"mesh.data={data} must be -1 or >= 1")
+    num_heads = model.get("num_heads")
+    if heads > 1 and isinstance(num_heads, int) and num_heads % heads:
+        errors.append(
+            f"mesh.heads={heads} must divide model.num_heads={num_heads} (each device holds "
+            "the same number of heads)"
+        )
+
+
+def config_errors(
+    config: Any, *, head: str | None = None, device_count: int | None = None
+) -> list[str]:
+    """Every problem of ``config``'s ``model``, ``train``, ``checkpoint`` and ``mesh``
+    sections (``task`` is checked by the task registry), as messages naming the field.
 
     Args:
-      config: the full training config (``task``, ``model``, ``train`` sections).
-      known_tasks: registered task names; ``task.name`` must be one of them if given.
+      config: the full training config.
       head: the head the task asks for; checked against the known head kinds.
-      device_count: devices the batch is split over (default ``jax.device_count()``).
+      device_count: devices the batch is split over (default: the mesh's ``data`` axis
+        as configured, or ``jax.device_count()``).
     """
-    import jax
-
     errors: list[str] = []
     for section in ("task", "model", "train"):
         if section not in config:
             errors.append(f"config has no {section!r} section")
     if errors:
-        raise ConfigError("; ".join(errors))
-    if known_tasks is not None:
-        known = sorted(known_tasks)
-        if config.task.get("name") not in known:
-            errors.append(
-                f"task.name={config.task.get('name')!r} is not a known task; choose one of {known}"
-            )
+        return errors
     if head is not None and head not in HEAD_KINDS:
         errors.append(f"task head {head!r} is not one of {HEAD_KINDS}")
+    if device_count is None:
+        import jax
+
+        mesh = config.get("mesh") or {}
+        data, heads = mesh.get("data", -1), mesh.get("heads", 1)
+        if isinstance(data, int) and data >= 1:
+            device_count = data
+        elif isinstance(heads, int) and heads >= 1 and jax.device_count() % heads == 0:
+            device_count = jax.device_count() // heads
+        else:
+            device_count = jax.device_count()
     check_model(config.model, errors)
-    check_train(config.train, jax.device_count() if device_count is None else device_count, errors)
+    check_train(config.train, device_count, errors)
+    check_checkpoint(config.get("checkpoint") or {}, errors)
+    check_mesh(config.get("mesh") or {}, config.model, errors)
+    for name in ("output_dir", "init_from"):
+        value = config.get(name, "")
+        if not isinstance(value, str):
+            errors.append(f"{name}={value!r} must be a path (a string)")
+    return errors
+
+
+def validate_config(
+    config: Any, *, head: str | None = None, device_count: int | None = None
+) -> None:
+    """Raise ``ConfigError`` naming every bad field of ``config`` (``config_errors``),
+    in one line."""
+    errors = config_errors(config, head=head, device_count=device_count)
     if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+        raise ConfigError(one_line(errors, config))
 
 
-def prepare_output_dir(path: str) -> str:
-    """Create ``path`` (and parents); a failure raises ``ConfigError`` naming output_dir."""
-    if not path:
-        raise ConfigError("output_dir is empty")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output_dir={path!r} cannot be created: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"output_dir={path!r} is not writable")
-    return path
+def _leaf_paths(tree: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(tree, Mapping) or hasattr(tree, "items"):
+        for key, value in tree.items():
+            out.append(f"{prefix}{key}")
+            out.extend(_leaf_paths(value, f"{prefix}{key}."))
+    return out
+
+
+def closest_field(config: Any, path: str) -> str | None:
+    """The existing field of ``config`` nearest to the dotted ``path`` (first its
+    siblings, then every field), or None."""
+    fields = _leaf_paths(config)
+    parent, _, name = path.rpartition(".")
+    siblings = [f for f in fields if f.rpartition(".")[0] == parent]
+    for pool, target in ((siblings, path), (fields, path)):
+        match = difflib.get_close_matches(target, pool, n=1, cutoff=0.6)
+        if match:
+            return match[0]
+    match = difflib.get_close_matches(name, [f.rpartition(".")[2] for f in fields], n=1)
+    if match:
+        return next(f for f in fields if f.rpartition(".")[2] == match[0])
+    return None

@@ -1,4 +1,4 @@
-"""Multi-process start-up and per-process data shards.
+"""Multi-process start-up.
 
 One JAX process runs per host (TPU VM worker, GPU node, Slurm task). Before any other
 JAX call, every process calls ``maybe_initialize_distributed``; it connects them through
@@ -14,10 +14,8 @@ Where the values come from, first match wins:
    coordinator itself, so ``jax.distributed.initialize()`` is called with no arguments;
 4. otherwise a single process: nothing to do.
 
-After start-up, each process feeds the rows ``process_batch_slice(...)`` of every global
-batch (or reads its own shard with ``grain_shard_options()``), and
-``global_batch_from_process_local`` assembles the global ``jax.Array`` sharded over the
-mesh. Only the primary process (``is_primary()``) writes logs and checkpoint metadata.
+After start-up the trainer feeds each process only its rows of every global batch
+(``sbm_jax.training.host_data``); process 0 writes the run's files.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 ENV_COORDINATOR = "SBM_COORDINATOR"
 ENV_NUM_PROCESSES = "SBM_NUM_PROCESSES"
@@ -206,92 +202,3 @@ def maybe_initialize_distributed(
     elif setup.mode in ("tpu", "slurm"):
         jax.distributed.initialize()
     return setup
-
-
-def is_primary() -> bool:
-    """True in process 0, the one that writes logs, summaries and checkpoint metadata."""
-    return jax.process_index() == 0
-
-
-def process_batch_slice(
-    global_batch: int, process_index: int | None = None, process_count: int | None = None
-) -> slice:
-    """Rows ``[start, stop)`` of a global batch that process ``process_index`` feeds.
-
-    Args:
-      global_batch: global batch size (``train.batch_size``).
-      process_index: default ``jax.process_index()``.
-      process_count: default ``jax.process_count()``.
-
-    Returns:
-      ``slice(i * b, (i + 1) * b)`` with ``b = global_batch // process_count``.
-
-    Raises:
-      DistributedConfigError: the batch does not divide over the processes, or the index
-        is out of range.
-    """
-    index = jax.process_index() if process_index is None else int(process_index)
-    count = jax.process_count() if process_count is None else int(process_count)
-    if count < 1:
-        raise DistributedConfigError(f"process_count must be >= 1, got {count}")
-    if not 0 <= index < count:
-        raise DistributedConfigError(
-            f"process_index={index} is out of range for process_count={count}"
-        )
-    if global_batch < 1 or global_batch % count:
-        raise DistributedConfigError(
-            f"global batch size (train.batch_size) {global_batch} does not divide over "
-            f"process_count={count} processes"
-        )
-    per_process = global_batch // count
-    return slice(index * per_process, (index + 1) * per_process)
-
-
-def process_local_batch(
-    batch: Any, process_index: int | None = None, process_count: int | None = None
-) -> Any:
-    """This process's rows of a host-side global batch (pytree of arrays [global_batch, ...])."""
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        return batch
-    sizes = {np.shape(leaf)[0] for leaf in leaves}
-    if len(sizes) != 1:
-        raise DistributedConfigError(
-            f"batch leaves disagree on the batch dimension: sizes {sorted(sizes)}"
-        )
-    rows = process_batch_slice(sizes.pop(), process_index, process_count)
-    return jax.tree.map(lambda x: np.asarray(x)[rows], batch)
-
-
-def global_batch_from_process_local(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
-    """Assemble global ``jax.Array``s sharded over ``axis`` from per-process rows.
-
-    Args:
-      batch: pytree of host arrays ``[global_batch / process_count, ...]``, this process's
-        rows (``process_local_batch``), in process order.
-      mesh: the mesh over all devices of all processes.
-      axis: mesh axis that shards the batch dimension.
-
-    Returns:
-      The same pytree of arrays ``[global_batch, ...]``, rows sharded over ``axis``.
-    """
-    count = jax.process_count()
-
-    def one(x: Any) -> jax.Array:
-        x = np.asarray(x)
-        sharding = NamedSharding(mesh, PartitionSpec(axis, *([None] * (x.ndim - 1))))
-        global_shape = (x.shape[0] * count, *x.shape[1:])
-        return jax.make_array_from_process_local_data(sharding, x, global_shape)
-
-    return jax.tree.map(one, batch)
-
-
-def grain_shard_options(drop_remainder: bool = True) -> Any:
-    """``grain.ShardOptions`` giving this process its own shard of a data source."""
-    import grain
-
-    return grain.sharding.ShardOptions(
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-        drop_remainder=drop_remainder,
-    )

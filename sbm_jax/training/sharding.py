@@ -207,3 +207,62 @@ class StateShardedJit:
 
     def __call__(self, state: Any, *args: Any) -> Any:
         return self.jitted(state)(state, *args)
+
+
+def _mesh_int(mesh_cfg: Any, name: str, default: int) -> int:
+    from sbm_jax.training.config_checks import ConfigError
+
+    value = mesh_cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"config.mesh.{name}={value!r} must be an integer")
+    return int(value)
+
+
+def mesh_from_config(config: Any) -> Mesh:
+    """Mesh ``("data", "heads")`` of shape ``(mesh.data, mesh.heads)``.
+
+    ``mesh.heads`` (default 1) devices split the attention heads; ``mesh.data`` (default
+    -1: all devices / ``mesh.heads``) split the batch; the mesh takes the first
+    ``data * heads`` devices. With ``heads = 1`` this is the data-parallel layout.
+
+    Raises:
+      ConfigError naming ``mesh.heads``, ``mesh.data`` or ``model.num_heads``: a size
+      below 1, more devices than there are, ``mesh.data=-1`` with a ``mesh.heads`` that
+      does not divide the device count, or a ``mesh.heads`` that does not divide
+      ``model.num_heads``.
+    """
+    from sbm_jax.training.config_checks import ConfigError
+
+    mesh_cfg = config.get("mesh") or {}
+    data = _mesh_int(mesh_cfg, "data", -1)
+    heads = _mesh_int(mesh_cfg, "heads", 1)
+    available = jax.device_count()
+    if not 1 <= heads <= available:
+        raise ConfigError(f"config.mesh.heads={heads} must be between 1 and {available} (devices)")
+    if data == -1:
+        if available % heads:
+            raise ConfigError(
+                f"config.mesh.heads={heads} does not divide the {available} devices (mesh.data=-1 "
+                "uses all of them); set mesh.data explicitly or change mesh.heads"
+            )
+        data = available // heads
+    if data < 1:
+        raise ConfigError(f"config.mesh.data={data} must be -1 or >= 1")
+    if data * heads > available:
+        raise ConfigError(
+            f"config.mesh.data={data} x mesh.heads={heads} = {data * heads} devices, more than "
+            f"the {available} available"
+        )
+    if heads > 1:
+        model = config.get("model") or {}
+        num_heads = model.get("num_heads")
+        if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+            raise ConfigError(
+                f"config.model.num_heads={num_heads!r} must be an integer when mesh.heads={heads}"
+            )
+        if int(num_heads) % heads:
+            raise ConfigError(
+                f"config.mesh.heads={heads} must divide model.num_heads={num_heads} (each device "
+                "holds the same number of heads)"
+            )
+    return make_data_heads_mesh(data, heads)

@@ -38,8 +38,11 @@ def collect_attention_stats(variables: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
       A dict with, where sown: ``density`` (scalar mean over every layer, head and
       example; differentiable where the mechanism's density is), ``density_per_head``
-      {module path: [heads]}, ``edges`` (scalar mean per example and head) and
-      ``edges_per_head`` {module path: [heads]}. Empty when nothing was sown.
+      {module path: [heads]}, ``edges`` (scalar mean per example and head),
+      ``edges_per_head`` {module path: [heads]}, and from SBM's ``overflow [batch,
+      heads]`` (draws above the largest capacity bucket): ``overflow`` (the number of
+      (example, head) graphs that overflowed, over every layer) and
+      ``overflow_per_layer`` {module path: count}. Empty when nothing was sown.
     """
     collection = variables.get(STATS_COLLECTION, {})
     stats: dict[str, Any] = {}
@@ -49,4 +52,9 @@ def collect_attention_stats(variables: Mapping[str, Any]) -> dict[str, Any]:
             continue
         stats[stat] = jnp.mean(jnp.stack([jnp.mean(v) for v in per_module.values()]))
         stats[f"{stat}_per_head"] = {k: jnp.mean(v, axis=0) for k, v in per_module.items()}
+    overflow = _per_module(collection, "overflow")
+    if overflow:
+        counts = {k: jnp.sum(v > 0).astype(jnp.float32) for k, v in overflow.items()}
+        stats["overflow"] = jnp.sum(jnp.stack(list(counts.values())))
+        stats["overflow_per_layer"] = counts
     return stats

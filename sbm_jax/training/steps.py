@@ -1,22 +1,34 @@
-"""Jitted train and eval steps, sharded over a 1-axis ``data`` mesh."""
+"""The jitted steps: train (one pass, or accumulated over micro-batches with the
+non-finite guard), evaluate (weighted sums, per-head density, confusion) and predict.
+
+Rng streams: step ``s`` draws ``dropout`` and ``sample`` from ``fold_in(state.rng, s)``
+(micro-batch ``i`` of an accumulated step from ``fold_in(fold_in(state.rng, i), s)``), so
+the state alone fixes every later step and a resumed run repeats an uninterrupted one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sbm_jax.attention import STATS_COLLECTION
+from sbm_jax.training.sharding import DATA_AXIS, StateShardedJit
 from sbm_jax.training.state import TrainState
 from sbm_jax.training.stats import collect_attention_stats
 from sbm_jax.training.task import Batch, Task
 
 Array = jax.Array
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]
+
+# Metrics summed over micro-batches (counts), not averaged.
+SUMMED_METRICS = ("weight", "overflow", "overflow_per_layer")
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
@@ -27,7 +39,7 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
 
 def data_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis split over ``data``."""
-    return NamedSharding(mesh, P("data"))
+    return NamedSharding(mesh, P(DATA_AXIS))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -35,8 +47,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def micro_batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[accum, micro, ...]: micro-batch rows split over ``data`` (replicated over any
+    other mesh axis)."""
+    return NamedSharding(mesh, P(None, DATA_AXIS))
+
+
 def shard_batch(batch: Batch, mesh: Mesh) -> dict[str, Array]:
-    """Host batch -> device arrays split along the batch axis."""
+    """Host batch -> device arrays split along the batch axis (one process)."""
     return jax.device_put(dict(batch), data_sharding(mesh))
 
 
@@ -45,14 +63,15 @@ def step_rngs(base: Array, step: Array) -> dict[str, Array]:
     return {"dropout": dropout_rng, "sample": sample_rng}
 
 
-def _forward(
+def _apply(
     state: TrainState,
     params: Any,
     task: Task,
     batch: Batch,
     rngs: dict[str, Array],
     deterministic: bool,
-) -> tuple[Array, dict[str, Any], dict[str, Any]]:
+) -> tuple[Array, dict[str, Any]]:
+    """(logits, sown attention statistics collection)."""
     logits, mutables = state.apply_fn(
         {"params": params},
         **task.model_inputs(batch),
@@ -60,8 +79,7 @@ def _forward(
         rngs=rngs,
         mutable=[STATS_COLLECTION],
     )
-    loss, metrics = task.loss_fn(logits, batch)
-    return loss, metrics, collect_attention_stats(mutables)
+    return logits, mutables
 
 
 def loss_and_grads(
@@ -78,7 +96,9 @@ def loss_and_grads(
     """
 
     def objective(params: Any) -> tuple[Array, tuple[dict[str, Any], dict[str, Any]]]:
-        loss, metrics, stats = _forward(state, params, task, batch, rngs, False)
+        logits, mutables = _apply(state, params, task, batch, rngs, False)
+        loss, metrics = task.loss_fn(logits, batch)
+        stats = collect_attention_stats(mutables)
         total = loss
         if "density" in stats and density_lambda:
             total = loss + density_lambda * stats["density"]
@@ -91,11 +111,11 @@ def loss_and_grads(
 def make_train_step(
     task: Task, mesh: Mesh, density_lambda: float, schedule: optax.Schedule | None = None
 ) -> StepFn:
-    """``(state, batch) -> (state, metrics)``, jitted; the state is donated.
+    """``(state, batch) -> (state, metrics)``: one pass, jitted, state donated and
+    replicated (the plain data-parallel step; the trainer uses
+    ``make_accumulating_train_step``, which equals this with one micro-batch).
 
-    The loss is the task loss plus ``density_lambda * mean density`` (the sown,
-    differentiable density), with rng streams ``dropout`` and ``sample`` from
-    ``fold_in(state.rng, state.step)``.
+    The loss is the task loss plus ``density_lambda * mean density``.
     """
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
@@ -118,13 +138,118 @@ def make_train_step(
     )
 
 
+def _combine_micro_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics stacked over micro-batches [A, ...] -> one set: ``loss``/``accuracy``
+    weighted by ``weight``, counts (``SUMMED_METRICS``) summed, the rest averaged."""
+    weight = metrics["weight"]
+    total = jnp.maximum(jnp.sum(weight), 1e-9)
+    out = {}
+    for key, value in metrics.items():
+        if key in ("loss", "accuracy"):
+            out[key] = jnp.sum(value * weight) / total
+        elif key in SUMMED_METRICS:
+            out[key] = jax.tree.map(lambda v: jnp.sum(v, axis=0), value)
+        else:
+            out[key] = jax.tree.map(lambda v: jnp.mean(v, axis=0), value)
+    return out
+
+
+def make_accumulating_train_step(
+    task: Task,
+    mesh: Mesh,
+    density_lambda: float,
+    accum_steps: int,
+    schedule: optax.Schedule | None = None,
+    guard_nonfinite: bool = False,
+) -> Callable[..., Any]:
+    """``(state, batch [A, micro, ...]) -> (state, metrics)``, jitted; state donated.
+
+    Each micro-batch ``i`` gives ``grad_i`` of (task loss + ``density_lambda`` x mean
+    density); the update uses ``sum_i w_i grad_i / sum_i w_i`` with ``w_i`` the
+    micro-batch's ``weight`` metric. For the task loss (a weighted mean over positions)
+    this is exactly the gradient of the whole batch's loss; the density term gets the
+    same weights, i.e. the plain mean when micro-batches weigh the same. With ``A = 1``
+    this is ``make_train_step`` (same rng streams).
+
+    With ``guard_nonfinite`` the step is ``(state, batch, halted) -> (state, metrics,
+    halted)``: ``halted`` is a replicated bool scalar; the step is ``ok`` when every
+    micro-batch's objective and the gradient norm are finite (``metrics["finite"]``);
+    the update (step counter included) applies only when ``ok and not halted``, and the
+    returned ``halted`` is ``halted or not ok``. So after a bad step the state stays the
+    one before it, with no host sync.
+
+    The state goes in and out with ``state_sharding(state, mesh)`` (per-head attention
+    parameters split over a ``heads`` axis, the rest replicated); the metrics come out
+    replicated.
+    """
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps} must be >= 1")
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        def micro(grad_sum: Any, xs: tuple[Array, Batch]) -> tuple[Any, dict[str, Any]]:
+            index, mb = xs
+            base = state.rng if accum_steps == 1 else jax.random.fold_in(state.rng, index)
+            rngs = step_rngs(base, state.step)
+            total, metrics, stats, grads = loss_and_grads(state, task, mb, rngs, density_lambda)
+            weight = metrics["weight"]
+            grad_sum = jax.tree.map(lambda acc, g: acc + g * weight, grad_sum, grads)
+            out = dict(metrics)
+            out.update(jax.lax.stop_gradient(stats))
+            out["total_loss"] = total
+            return grad_sum, out
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grad_sum, stacked = jax.lax.scan(micro, zeros, (jnp.arange(accum_steps), batch))
+        total_weight = jnp.maximum(jnp.sum(stacked["weight"]), 1e-9)
+        grads = jax.tree.map(lambda g: g / total_weight, grad_sum)
+        new_state = state.apply_gradients(grads=grads)
+        out = _combine_micro_metrics(stacked)
+        out["grad_norm"] = optax.tree.norm(grads)
+        out["finite"] = (
+            jnp.all(jnp.isfinite(stacked["total_loss"]))
+            & jnp.all(jnp.isfinite(stacked["loss"]))
+            & jnp.isfinite(out["grad_norm"])
+        )
+        if schedule is not None:
+            out["learning_rate"] = schedule(state.step)
+        return new_state, out
+
+    batches, rep = micro_batch_sharding(mesh), replicated(mesh)
+    if not guard_nonfinite:
+        return StateShardedJit(
+            step,
+            mesh,
+            in_shardings=lambda s: (s, batches),
+            out_shardings=lambda s: (s, rep),
+            donate_argnums=0,
+        )
+
+    def guarded(
+        state: TrainState, batch: Batch, halted: Array
+    ) -> tuple[TrainState, dict[str, Any], Array]:
+        new_state, out = step(state, batch)
+        apply = out["finite"] & ~halted
+        kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+        return kept, out, halted | ~out["finite"]
+
+    return StateShardedJit(
+        guarded,
+        mesh,
+        in_shardings=lambda s: (s, batches, rep),
+        out_shardings=lambda s: (s, rep, rep),
+        donate_argnums=0,
+    )
+
+
 def make_eval_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
-    """``(state, batch, rng) -> metrics``, jitted, no dropout (graph sampling stays on)."""
+    """``(state, batch, rng) -> metrics`` of one batch, jitted, replicated state, no
+    dropout (graph sampling stays on): the task's metrics plus the attention stats."""
 
     def step(state: TrainState, batch: Batch, rng: Array) -> dict[str, Any]:
         rngs = {"dropout": rng, "sample": rng}
-        _, metrics, stats = _forward(state, state.params, task, batch, rngs, True)
-        return {**metrics, **stats}
+        logits, mutables = _apply(state, state.params, task, batch, rngs, True)
+        _, metrics = task.loss_fn(logits, batch)
+        return {**metrics, **collect_attention_stats(mutables)}
 
     return jax.jit(
         step,
@@ -133,31 +258,97 @@ def make_eval_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array
     )
 
 
-def evaluate(
-    eval_step: Callable[[TrainState, Batch, Array], dict[str, Any]],
-    state: TrainState,
-    batches: Any,
-    mesh: Mesh,
-    rng: Array,
-) -> dict[str, float]:
-    """Weighted mean of loss and accuracy (and plain mean of density, edges) over batches."""
-    totals: dict[str, float] = {}
-    weight = 0.0
-    count = 0
-    for i, batch in enumerate(batches):
-        metrics = jax.device_get(
-            eval_step(state, shard_batch(batch, mesh), jax.random.fold_in(rng, i))
+def _per_example_stat(mutables: Mapping[str, Any], stat: str) -> dict[str, Array]:
+    """{module path: sown ``stat`` [calls * batch, heads]} from the statistics."""
+    flat = traverse_util.flatten_dict(dict(mutables.get(STATS_COLLECTION, {})))
+    out = {}
+    for path, values in sorted(flat.items()):
+        if path[-1] != stat:
+            continue
+        values = values if isinstance(values, tuple) else (values,)
+        out["/".join(str(p) for p in path[:-1])] = jnp.concatenate(
+            [jnp.asarray(v, jnp.float32).reshape(-1, v.shape[-1]) for v in values], axis=0
         )
-        w = float(metrics["weight"])
-        weight += w
-        count += 1
-        for key in ("loss", "accuracy"):
-            totals[key] = totals.get(key, 0.0) + float(metrics[key]) * w
-        for key in ("density", "edges"):
-            if key in metrics:
-                totals[key] = totals.get(key, 0.0) + float(metrics[key])
-    if count == 0:
-        return {}
-    out = {k: totals[k] / max(weight, 1e-9) for k in ("loss", "accuracy")}
-    out.update({k: totals[k] / count for k in ("density", "edges") if k in totals})
     return out
+
+
+def _example_weights(batch: Batch, leading: int) -> Array:
+    """float32 [batch]: ``example_mask`` (1 for real rows), all ones when absent."""
+    example = batch.get("example_mask")
+    if example is None:
+        return jnp.ones((leading,), jnp.float32)
+    return example.astype(jnp.float32)
+
+
+def make_detailed_eval_step(
+    task: Task, mesh: Mesh
+) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
+    """``(state, batch, rng) -> sums``, jitted, no dropout (SBM graph sampling stays on).
+
+    Returns weighted sums ``loss_sum``, ``correct_sum``, ``weight``; per attention
+    module, density ``[heads]`` sums ``sum``, ``sumsq`` and ``count`` over the real
+    examples (``example_mask``; all rows when absent); ``overflow`` (graphs whose draws
+    exceeded the largest capacity bucket) per module; and with
+    ``task.confusion_classes = C`` a ``confusion [C, C]`` (true x predicted) of the real
+    examples. The state comes in with ``state_sharding(state, mesh)``, the batch split
+    over ``data``.
+    """
+    classes = int(task.confusion_classes)
+
+    def step(state: TrainState, batch: Batch, rng: Array) -> dict[str, Any]:
+        rngs = {"dropout": rng, "sample": rng}
+        logits, mutables = _apply(state, state.params, task, batch, rngs, True)
+        _, metrics = task.loss_fn(logits, batch)
+        weight = metrics["weight"]
+        out: dict[str, Any] = {
+            "loss_sum": metrics["loss"] * weight,
+            "correct_sum": metrics["accuracy"] * weight,
+            "weight": weight,
+        }
+        leading = next(iter(jax.tree.leaves(batch))).shape[0]
+        example = _example_weights(batch, leading)
+        density = {}
+        for path, values in _per_example_stat(mutables, "density").items():
+            rows = values.shape[0] // leading  # calls per example (2 for dual encoders)
+            w = jnp.tile(example, rows)[:, None]
+            density[path] = {
+                "sum": jnp.sum(values * w, axis=0),
+                "sumsq": jnp.sum(values**2 * w, axis=0),
+                "count": jnp.sum(w) * jnp.ones(values.shape[-1]),
+            }
+        out["density"] = density
+        overflow = {}
+        for path, values in _per_example_stat(mutables, "overflow").items():
+            rows = values.shape[0] // leading
+            overflow[path] = jnp.sum((values > 0) * jnp.tile(example, rows)[:, None])
+        out["overflow"] = overflow
+        if classes:
+            predicted = jax.nn.one_hot(jnp.argmax(logits, axis=-1), classes)
+            true = jax.nn.one_hot(batch["targets"], classes)
+            out["confusion"] = jnp.einsum("b,bi,bj->ij", example, true, predicted)
+        return out
+
+    rep = replicated(mesh)
+    return StateShardedJit(
+        step,
+        mesh,
+        in_shardings=lambda s: (s, data_sharding(mesh), rep),
+        out_shardings=lambda s: rep,
+    )
+
+
+def make_predict_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array], Array]:
+    """``(state, batch, rng) -> argmax class int32 [batch]``, jitted, no dropout."""
+
+    def step(state: TrainState, batch: Batch, rng: Array) -> Array:
+        rngs = {"dropout": rng, "sample": rng}
+        logits, _ = _apply(state, state.params, task, batch, rngs, True)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    rep = replicated(mesh)
+    return StateShardedJit(
+        step,
+        mesh,
+        in_shardings=lambda s: (s, data_sharding(mesh), rep),
+        out_shardings=lambda s: rep,
+    )

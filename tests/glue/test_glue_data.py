@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from glue.checkpoints import find_checkpoint_dir
 from glue.corpus import pack_sequences, read_local_corpus, split_documents
 from glue.data import EpochStream, join_pair, steps_for_epochs
 from glue.tokenizer import (
@@ -17,6 +18,7 @@ from glue.tokenizer import (
     special_ids,
     train_tokenizer,
 )
+from sbm_jax.training.checkpoints import find_checkpoint
 
 SPECIAL = SpecialIds(pad=0, cls=1, sep=2, mask=3, unk=4)
 
@@ -81,7 +83,54 @@ def test_errors_name_the_flag(tmp_path):
         load_tokenizer(str(bad))
     with pytest.raises(ValueError, match="model.vocab_size"):
         train_tokenizer(["a b c"], 100, field="model.vocab_size")
-    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
-        find_checkpoint_dir(str(tmp_path / "no_run"))
-    with pytest.raises(FileNotFoundError, match="--init_checkpoint="):
-        find_checkpoint_dir(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="config.init_from="):
+        find_checkpoint(str(tmp_path / "no_run"))
+    with pytest.raises(FileNotFoundError, match="config.init_from="):
+        find_checkpoint(str(tmp_path))
+
+
+def test_over_long_pairs_are_an_error_unless_truncation_is_asked():
+    from glue.data import encode_examples
+
+    class Whitespace:  # one token per word: lengths are known exactly
+        class _Enc:
+            def __init__(self, ids):
+                self.ids = ids
+
+        def encode_batch(self, texts, add_special_tokens=False):
+            return [self._Enc([10 + len(w) for w in t.split()]) for t in texts]
+
+    texts = [("a b c d e f", "g h"), ("a", "b"), ("a b c d e f g", "h i j")]
+    # Lengths with <cls> <sep> <sep>: 11, 5, 13; max_len 8 cuts two of three.
+    with pytest.raises(ValueError) as err:
+        encode_examples(texts, [0, 1, 0], Whitespace(), 8, SPECIAL, 2, truncate=False, where="x")
+    assert "2 of 3 examples of x are longer than data.max_len=8" in str(err.value)
+    assert "the longest has 13 tokens" in str(err.value) and "data.truncate=True" in str(err.value)
+    split = encode_examples(texts, [0, 1, 0], Whitespace(), 8, SPECIAL, 2, truncate=True)
+    assert (split.truncated, split.longest) == (2, 13)
+    assert all(split.offsets[i + 1] - split.offsets[i] <= 8 for i in range(3))
+
+
+def test_prepare_builds_each_task_as_array_record(tmp_path):
+    from glue import prepare
+
+    calls = []
+
+    class Builder:
+        def __init__(self, name, data_dir):
+            self.name, self.data_dir = name, os.path.join(data_dir, name)
+
+        def download_and_prepare(self, file_format):
+            calls.append((self.name, file_format))
+
+    made = prepare.prepare(
+        ["sst2", "mnli"], str(tmp_path), corpus="wikipedia/20230601.en", builder_fn=Builder
+    )
+    assert calls == [
+        ("glue/sst2", "array_record"),
+        ("glue/mnli", "array_record"),
+        ("wikipedia/20230601.en", "array_record"),
+    ]
+    assert made["glue/mnli"] == os.path.join(str(tmp_path), "glue/mnli")
+    with pytest.raises(ValueError, match="--tasks: 'cola' is not a GLUE task"):
+        prepare.prepare(["cola"], str(tmp_path), builder_fn=Builder)

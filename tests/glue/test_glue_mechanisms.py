@@ -1,24 +1,32 @@
-"""Every GLUE mechanism preset runs a pretraining step and gives a finite MLM loss
-near log(vocab) at initialisation (slow: one compile per mechanism)."""
+"""Every GLUE mechanism preset runs a pretraining step through ``scripts/train.py`` and
+gives a finite MLM loss near log(vocab) at initialisation (slow: one compile per
+mechanism)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 
 from glue.presets import MECHANISMS
-from glue.pretrain_lib import run_pretraining
-from tests.glue.conftest import load_config
+from tests.glue.conftest import ROOT
+from tests.glue.test_glue_end_to_end import run_train
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_one_pretraining_step(mechanism, corpus_glob, tmp_path):
-    config = load_config("pretrain", f"{mechanism},smoke")
-    config.model.num_layers = 1
-    config.train.num_steps = 1
-    config.data.corpus = corpus_glob
-    summary = run_pretraining(config, str(tmp_path))
+    status, _, stderr = run_train(
+        f"--config={os.path.join(ROOT, 'configs', 'glue', 'pretrain.py')}:{mechanism},smoke",
+        "--config.model.num_layers=1",
+        "--config.train.num_steps=1",
+        f"--config.data.corpus={corpus_glob}",
+        f"--output_dir={tmp_path}",
+    )
+    assert status == 0, stderr[-3000:]
+    with open(tmp_path / "summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
     assert abs(summary["first_mlm_loss"] - math.log(summary["vocab_size"])) < 1.0
     assert math.isfinite(summary["eval"]["loss"])

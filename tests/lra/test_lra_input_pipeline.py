@@ -1,4 +1,5 @@
-"""grain pipelines: padding and masks, batching, seeded shuffling, exact resume."""
+"""grain pipelines: padding and masks, batching, seeded shuffling, exact resume, and
+over-long sequences refused unless truncation is asked for."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ def test_train_batches_pad_and_mask(small_listops_dir):
     lengths = {
         source[i]["inputs"].tobytes(): source[i]["inputs"].shape[0] for i in range(len(source))
     }
-    ds = input_pipeline.make_dataset(
-        source, task="listops", batch_size=4, train=True, seed=1, max_length=64, num_epochs=1
-    )
-    batches = list(ds)
-    assert len(batches) == len(source) // 4  # remainder dropped
+    examples = input_pipeline.train_examples(source, task="listops", max_length=64, seed=1)
+    ds = input_pipeline.batch_examples(examples, 4)
+    batches = [ds[i] for i in range(len(source) // 4)]  # the first epoch's whole batches
+    first_epoch = [bytes(examples[i]["inputs"]) for i in range(len(source))]
+    assert sorted(first_epoch) == sorted(
+        bytes(input_pipeline.pad_tokens(source[i]["inputs"], 64)[0]) for i in range(len(source))
+    )  # an epoch holds every example once
     for b in batches:
         assert b["inputs"].shape == (4, 64) and b["inputs"].dtype == np.int32
         assert b["mask"].shape == (4, 64) and b["mask"].dtype == np.bool_
@@ -58,7 +61,7 @@ def test_truncation_to_max_length(small_listops_dir):
     b = next(
         iter(
             input_pipeline.make_dataset(
-                source, task="listops", batch_size=2, train=False, max_length=8
+                source, task="listops", batch_size=2, max_length=8, truncate=True
             )
         )
     )
@@ -66,15 +69,28 @@ def test_truncation_to_max_length(small_listops_dir):
     np.testing.assert_array_equal(b["inputs"][0], source[0]["inputs"][:8])
 
 
+def test_over_long_sequences_are_refused_and_counted(small_listops_dir):
+    data_dir, config = small_listops_dir
+    source = input_pipeline.open_split(data_dir, "listops", "validation", config)
+    lengths = [source[i]["inputs"].shape[0] for i in range(len(source))]
+    with pytest.raises(input_pipeline.SequenceTooLong, match="longer than max_length=8"):
+        next(iter(input_pipeline.make_dataset(source, task="listops", batch_size=2, max_length=8)))
+    report = input_pipeline.length_report(source, task="listops", max_length=20)
+    assert report.examples == len(lengths) == 11
+    assert report.too_long == sum(n > 20 for n in lengths) and report.longest == max(lengths)
+    assert input_pipeline.length_report(source, task="listops", max_length=64).too_long == 0
+    # Pixel tasks are fixed-length: no scan, every example is 1024 pixels.
+    pixels = input_pipeline.length_report([None] * 3, task="image", max_length=512)
+    assert (pixels.too_long, pixels.longest) == (3, 1024)
+
+
 def test_shuffle_is_seeded_and_epochs_differ(small_listops_dir):
     data_dir, config = small_listops_dir
     source = input_pipeline.open_split(data_dir, "listops", "train", config)
 
     def first(seed, n):
-        ds = input_pipeline.make_dataset(
-            source, task="listops", batch_size=37, train=True, seed=seed, max_length=64
-        )
-        return _batches(iter(ds), n)
+        examples = input_pipeline.train_examples(source, task="listops", max_length=64, seed=seed)
+        return _batches(iter(input_pipeline.batch_examples(examples, 37)), n)
 
     a, b, c = first(3, 2), first(3, 2), first(4, 2)
     assert _same(a, b)
@@ -88,26 +104,23 @@ def test_shuffle_is_seeded_and_epochs_differ(small_listops_dir):
 def test_iterator_state_resumes_exactly(small_listops_dir):
     data_dir, config = small_listops_dir
     source = input_pipeline.open_split(data_dir, "listops", "train", config)
-    ds = input_pipeline.make_dataset(
-        source, task="listops", batch_size=5, train=True, seed=7, max_length=64
-    )
-    it = iter(ds)
+    examples = input_pipeline.train_examples(source, task="listops", max_length=64, seed=7)
+    ds = input_pipeline.batch_examples(examples, 5)
+    it = iter(ds.to_iter_dataset())
     _batches(it, 9)  # crosses an epoch boundary (7 batches per epoch)
     state = it.get_state()
     expected = _batches(it, 6)
-    fresh = iter(ds)
+    fresh = iter(ds.to_iter_dataset())
     fresh.set_state(state)
     assert _same(_batches(fresh, 6), expected)
+    # The trainer resumes by index: batch s is ds[s].
+    assert _same([ds[9 + i] for i in range(6)], expected)
 
 
 def test_eval_fills_last_batch(small_listops_dir):
     data_dir, config = small_listops_dir
     source = input_pipeline.open_split(data_dir, "listops", "validation", config)  # 11
-    batches = list(
-        input_pipeline.make_dataset(
-            source, task="listops", batch_size=4, train=False, max_length=64
-        )
-    )
+    batches = list(input_pipeline.make_dataset(source, task="listops", batch_size=4, max_length=64))
     assert [b["example_mask"].sum() for b in batches] == [4, 4, 3]
     last = batches[-1]
     assert last["inputs"].shape == (4, 64)
@@ -131,7 +144,6 @@ def test_shards_partition_the_data(small_listops_dir):
             source,
             task="listops",
             batch_size=1,
-            train=False,
             max_length=64,
             shard_index=shard,
             shard_count=3,
@@ -151,11 +163,7 @@ def test_dual_inputs_for_retrieval():
         for i in range(6)
     ]
     b = next(
-        iter(
-            input_pipeline.make_dataset(
-                source, task="retrieval", batch_size=3, train=False, max_length=32
-            )
-        )
+        iter(input_pipeline.make_dataset(source, task="retrieval", batch_size=3, max_length=32))
     )
     assert set(b) == {"inputs0", "inputs1", "mask0", "mask1", "targets", "example_mask"}
     for i in range(3):
@@ -173,8 +181,16 @@ def test_missing_dataset_message(tmp_path):
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="batch_size"):
-        input_pipeline.make_dataset([], task="listops", batch_size=0, train=True)
+        input_pipeline.make_dataset([], task="listops", batch_size=0)
     with pytest.raises(ValueError, match="shard_index"):
-        input_pipeline.make_dataset(
-            [], task="listops", batch_size=1, train=True, shard_index=2, shard_count=2
+        input_pipeline.make_dataset([], task="listops", batch_size=1, shard_index=2, shard_count=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        input_pipeline.batch_examples(
+            input_pipeline.train_examples(
+                [{"inputs": np.ones(2, np.int32), "targets": 0}],
+                task="listops",
+                max_length=4,
+                seed=0,
+            ),
+            0,
         )

@@ -223,6 +223,13 @@ def test_release_tsvs(fixtures_dir, tmp_path):
         ("[MAX 2 9 ]\t12", "Target 12 is outside 0..9"),
         ("   \t3", "empty Source"),
         ("[MAX 2 Q ]\t3", "unknown ListOps token 'Q'"),
+        ("[MAX 2 9\t9", "1 operator(s) left open at the end (missing ']')"),
+        ("] [MAX 2 9 ]\t9", "']' at token 1 closes no operator"),
+        ("[MAX 2 9 ] ]\t9", "token ']' at 5 follows the end of the expression"),
+        ("[MAX 2 9 ] 4\t9", "token '4' at 5 follows the end of the expression"),
+        ("[MAX ]\t9", "the operator closed at token 2 has no arguments"),
+        ("( [MAX 2 9 ]\t9", "1 '(' left open at the end"),
+        ("[MAX 2 9 ] )\t9", "')' at token 5 closes no '('"),
     ],
 )
 def test_malformed_release_line_names_file_and_line(fixtures_dir, tmp_path, bad_line, message):
@@ -270,3 +277,89 @@ def test_missing_release_files_message(tmp_path):
         "listops-1000",
     ):
         assert name in text
+
+
+def _brute_force_count(max_depth: int, max_args: int, max_length: int) -> dict[int, int]:
+    """{length: number of distinct trees} by enumerating every tree (small sizes only)."""
+
+    def trees(depth: int) -> list[tuple[str, ...]]:
+        out = [(str(d),) for d in range(10)]
+        if depth < max_depth:
+            children = trees(depth + 1)
+            children = [c for c in children if len(c) < max_length]
+            for k in range(2, max_args + 1):
+                combos = [()]
+                for _ in range(k):
+                    combos = [
+                        a + b for a in combos for b in children if len(a) + len(b) < max_length
+                    ]
+                for op in vocab.LISTOPS_OPERATORS:
+                    out += [(op, *body, "]") for body in combos if len(body) + 2 < max_length]
+        return out
+
+    counts: dict[int, int] = {}
+    for tree in set(trees(1)):
+        counts[len(tree)] = counts.get(len(tree), 0) + 1
+    return counts
+
+
+def test_expression_count_matches_enumeration():
+    for depth, args, top in ((3, 2, 11), (2, 4, 8)):  # nested operators; wide operators
+        by_length = _brute_force_count(max_depth=depth, max_args=args, max_length=top)
+        for low, high in ((0, top), (3, 6), (4, top), (0, 2), (5, 7)):
+            params = listops_generator.ListOpsParams(
+                min_length=low, max_length=high, max_depth=depth, max_args=args
+            )
+            expected = sum(n for length, n in by_length.items() if low < length < high)
+            assert listops_generator.count_expressions(params) == expected, (depth, low, high)
+    # Lengths 3 < n < 5 allow only [OP d d ]: 4 operators x 100 digit pairs.
+    lra = listops_generator.ListOpsParams(min_length=3, max_length=5)
+    assert listops_generator.count_expressions(lra) == 400
+
+
+def test_sizes_that_cannot_be_met_fail_fast():
+    import time
+
+    start = time.perf_counter()
+    params = listops_generator.ListOpsParams(min_length=3, max_length=5)
+    with pytest.raises(ValueError, match="cannot give 500 distinct train examples"):
+        list(listops_generator.generate_split(params, seed=0, split="train", num_examples=500))
+    with pytest.raises(ValueError, match="only 400 such expressions exist"):
+        builders.make_config("listops", num_train=500, min_length=3, max_length=5)
+    assert time.perf_counter() - start < 10.0
+    # 400 of the 400 possible can still be drawn (every draw of this shape is accepted
+    # after a few rejections), so the bound is exact rather than a guess.
+    got = list(listops_generator.generate_split(params, seed=0, split="train", num_examples=400))
+    assert len({ids.tobytes() for _, ids, _ in got}) == 400
+
+
+def test_prepare_command_reports_a_malformed_release_row_in_one_line(fixtures_dir, tmp_path):
+    import subprocess
+    import sys
+
+    manual = tmp_path / "manual"
+    shutil.copytree(os.path.join(fixtures_dir, "listops"), manual)
+    with open(manual / "basic_train.tsv", "a") as f:
+        f.write("[MAX 2 9\t9\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lra.prepare",
+            "--task=listops",
+            "--source=release",
+            f"--manual_dir={manual}",
+            f"--data_dir={tmp_path / 'data'}",
+        ],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {manual / 'basic_train.tsv'}:4: 1 operator(s) left open at the end (missing ']')"
+    ], proc.stderr[-2000:]

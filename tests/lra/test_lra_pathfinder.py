@@ -218,6 +218,27 @@ def test_release_malformed_metadata(tmp_path, line, message):
     assert message in str(err.value)
 
 
+def test_rgb_release_image_is_an_error_with_its_path(tmp_path):
+    """A colour image would have been converted to grey without a word; it is refused."""
+    _write_release(tmp_path / "manual", "curv_contour_length_14", [1, 0])
+    base = tmp_path / "manual" / "pathfinder32" / "curv_contour_length_14"
+    rgb = np.random.default_rng(1).integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(base / "imgs" / "0" / "sample_1.png")
+    b = builders.make_builder(
+        "pathfinder",
+        builders.make_config("pathfinder", source="release"),
+        data_dir=str(tmp_path / "data"),
+    )
+    with pytest.raises(builders.MalformedFileError) as err:
+        b.download_and_prepare(
+            file_format="array_record",
+            download_config=DownloadConfig(manual_dir=str(tmp_path / "manual")),
+        )
+    text = str(err.value)
+    assert f"{base / 'metadata' / '0.npy'}:2: " in text
+    assert f"image {base / 'imgs' / '0' / 'sample_1.png'} is 'RGB'" in text
+
+
 def test_release_missing_folder_message(tmp_path):
     (tmp_path / "manual").mkdir()
     b = builders.make_builder(

@@ -1,0 +1,465 @@
+"""The command line of the trainer (``scripts/train.py``): flags, config, checks, run.
+
+  python scripts/train.py --config=configs/synthetic.py:quick
+  python scripts/train.py --config=configs/lra/listops.py:sbm,smoke --config.seed=1
+  python scripts/train.py --config=configs/synthetic.py:sbm --print_config
+
+Order of work: parse the flags and the config (an unknown ``--config.<field>`` is named
+with its closest match); start the other processes of a multi-process job; check the
+whole config (every section, every attention option, the task's fields, ``init_from``,
+the mesh against the devices); with ``--print_config`` print it and stop; find the run
+directory and, when it holds a run, check that this config may resume it; with
+``--dry_run`` stop there; then build the task (data is read or generated only now) and
+train. Every user error is one line on stderr, ``error: ...``, and exit status 2, with
+nothing written. Exit status 0: the run finished, or SIGTERM / Ctrl-C stopped it after
+saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; the
+same command with ``--output_dir`` set to that directory resumes it); 3: a non-finite
+loss or gradient halted it (the message names the step and the saved replay state).
+
+Any option of the configured attention mechanism may be set with
+``--config.model.attention_options.<option>=...`` even when the preset does not list
+it (it then starts from the mechanism's default), e.g.
+``--config.model.attention_options.capacity_buckets='(0.01, 0.05, 0.25)'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from sbm_jax.training.config_checks import (
+    COMMON_ATTENTION_FIELDS,
+    ConfigError,
+    closest_field,
+    config_errors,
+    one_line,
+)
+
+USAGE_EXIT = 2
+NONFINITE_EXIT = 3
+INTERRUPTED_EXIT = 130
+
+HELP = """\
+Train a model on the task its config names, through the one trainer.
+
+  {prog} --config=CONFIG.py[:PRESET] [--config.FIELD=VALUE ...] [--output_dir=DIR]
+
+  --config=configs/synthetic.py:quick        a config file and its preset
+  --config.train.num_steps=500               override any field of it
+  --print_config                             print the resolved config, check it, exit
+  --dry_run                                  also say where it would train, then exit
+  --output_dir=DIR                           the run's directory; an existing run there
+                                             is resumed if its config matches (default:
+                                             config.output_dir or runs/<name>-<time>)
+
+To list a preset's fields (every one can be overridden):
+  {prog} --config=configs/lra/listops.py:sbm,smoke --print_config
+"""
+
+
+def _split_spec(spec: str) -> tuple[str, str | None]:
+    """``"configs/x.py:sbm,smoke"`` -> ("configs/x.py", "sbm,smoke")."""
+    index = spec.find(".py:")
+    if index >= 0:
+        return spec[: index + 3], spec[index + 4 :]
+    return spec, None
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """``get_config(preset)`` of the config file ``spec`` = ``path.py[:preset]``.
+
+    Raises:
+      ConfigError naming ``--config`` for a missing file, a file without ``get_config``
+      or a preset its ``get_config`` rejects.
+    """
+    path, arg = _split_spec(spec)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config={spec}: no such file {path!r}")
+    name = "sbm_config_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"--config={spec}: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    get_config = getattr(module, "get_config", None)
+    if get_config is None:
+        raise ConfigError(f"--config={spec}: {path!r} has no get_config()")
+    try:
+        return get_config(arg) if arg is not None else get_config()
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"--config={spec}: {e}") from None
+
+
+def _overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
+    """``(field path, value)`` of every ``--config.<path>=<value>`` in ``argv``."""
+    out = []
+    for arg in argv:
+        if arg.startswith(("--config.", "-config.")):
+            body = arg.split("config.", 1)[1]
+            path, sep, value = body.partition("=")
+            out.append((path, value if sep else None))
+    return out
+
+
+def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
+    """Give ``model.attention_options`` every option the command line sets that the
+    preset leaves out, at the mechanism's default (so its type is known)."""
+    model = config.get("model")
+    if model is None or "attention_options" not in model:
+        return
+    mechanism = model.get("attention")
+    for path, value in _overrides(argv):
+        if path == "model.attention":
+            mechanism = value
+    try:
+        from sbm_jax.attention import get_attention
+
+        fields = getattr(get_attention(str(mechanism)), "__dataclass_fields__", {})
+    except ValueError:
+        return
+    options = model.attention_options
+    for path, _ in _overrides(argv):
+        prefix = "model.attention_options."
+        if not path.startswith(prefix):
+            continue
+        name = path[len(prefix) :]
+        if "." in name or name in options or name not in fields:
+            continue
+        if name in COMMON_ATTENTION_FIELDS:
+            continue
+        default = fields[name].default
+        if default is not None and not isinstance(default, (bool, int, float, str, tuple)):
+            continue
+        with options.unlocked():
+            options[name] = default
+
+
+def _missing_field(config: Any, path: str) -> str | None:
+    """The first prefix of ``path`` that ``config`` lacks, or None if all exist."""
+    node = config
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if not hasattr(node, "keys") or part not in node:
+            return ".".join(parts[: i + 1])
+        node = node[part]
+    return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else str(text)
+
+
+def describe_flag_error(error: BaseException, argv: Sequence[str], config: Any, fv: Any) -> str:
+    """One line for a failure to parse ``argv``."""
+    if isinstance(error, (AttributeError, KeyError)) and config is not None:
+        for path, _ in _overrides(argv):
+            missing = _missing_field(config, path)
+            if missing is None:
+                continue
+            close = closest_field(config, missing)
+            hint = f"; did you mean config.{close}?" if close else ""
+            return (
+                f"config.{missing} is not a field of this config{hint} (list the fields "
+                "with --print_config)"
+            )
+    if isinstance(error, flags.UnrecognizedFlagError):
+        name = (
+            getattr(error, "flagname", "") or str(error).split("'")[1 if "'" in str(error) else 0]
+        )
+        close = difflib.get_close_matches(name, list(fv), n=1)
+        hint = f"; did you mean --{close[0]}?" if close else ""
+        return f"unknown flag --{name}{hint} (see --help)"
+    return _last_line(str(error))
+
+
+def _print_help(prog: str, fv: Any, stream: TextIO) -> None:
+    stream.write(HELP.format(prog=prog) + "\nAll flags:\n")
+    stream.write(fv.get_help(include_special_flags=False) + "\n")
+
+
+def _define_flags(fv: Any, config: Any, argv: Sequence[str]) -> None:
+    if config is not None:
+        config_flags.DEFINE_config_dict(
+            "config",
+            config,
+            "The config (--config=path.py:preset).",
+            flag_values=fv,
+            lock_config=True,
+            sys_argv=list(argv),
+        )
+    else:
+        flags.DEFINE_string("config", None, "Config file (path.py:preset).", flag_values=fv)
+    flags.DEFINE_string(
+        "output_dir",
+        None,
+        "Run directory (default: config.output_dir or runs/<name>-<time>); a run there is "
+        "resumed when its config matches.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "print_config", False, "Print the resolved config, check it, exit.", flag_values=fv
+    )
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Check the config and the run directory, say what would run, exit.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "Multi-process: host:port of process 0 (or SBM_COORDINATOR).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_processes",
+        None,
+        "Multi-process: number of processes (or SBM_NUM_PROCESSES).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "process_id", None, "Multi-process: this process's id (or SBM_PROCESS_ID).", flag_values=fv
+    )
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        for prefix in ("--config=", "-config="):
+            if arg.startswith(prefix):
+                return arg[len(prefix) :]
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _without_config_spec(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith(("--config=", "-config=")):
+            continue
+        if arg in ("--config", "-config"):
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+# Packages of this project: a task module that fails to import one of these has a bug,
+# which is raised, not skipped.
+PROJECT_PACKAGES = frozenset({"sbm_jax", "lra", "glue", "configs", "scripts", "tests"})
+
+
+def import_task_modules(modules: Sequence[str]) -> dict[str, str]:
+    """Import ``modules`` so that their tasks register; returns ``{module: reason}`` for
+    those skipped because a dependency outside the project is not installed (e.g. GLUE's
+    ``tokenizers`` where only the LRA packages are), so that the other tasks still run.
+
+    Raises:
+      ModuleNotFoundError: a module of the project itself is missing (a bug).
+    """
+    skipped: dict[str, str] = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] in PROJECT_PACKAGES or not e.name:
+                raise
+            skipped[module] = f"no module named {e.name!r}"
+    return skipped
+
+
+def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None:
+    """For a ``config.task.name`` that no imported module registered while some task
+    modules were skipped: one message naming them and what they lack."""
+    from sbm_jax.tasks import available_tasks
+
+    task = config.get("task") if hasattr(config, "get") else None
+    name = task.get("name") if hasattr(task, "get") else None
+    if not skipped or name in available_tasks():
+        return None
+    reasons = ", ".join(f"{m} ({why})" for m, why in skipped.items())
+    return (
+        f"task.name={name!r} is not a known task; the task modules {reasons} could not "
+        "be imported: install what they need to train their tasks"
+    )
+
+
+def check_config(config: Any) -> list[str]:
+    """Every problem of ``config`` that can be found without data: the sections
+    (``config_errors``), the task's fields, ``init_from`` and the mesh."""
+    from sbm_jax.tasks import task_config_errors
+    from sbm_jax.training.checkpoints import find_checkpoint
+    from sbm_jax.training.sharding import mesh_from_config
+
+    errors = config_errors(config)
+    errors += task_config_errors(config)
+    if config.get("init_from"):
+        try:
+            find_checkpoint(str(config.init_from))
+        except FileNotFoundError as e:
+            errors.append(str(e))
+    if not any(e.startswith(("mesh.", "config.mesh.")) for e in errors):
+        try:
+            mesh_from_config(config)
+        except ConfigError as e:
+            errors.append(str(e))
+    return errors
+
+
+def main(
+    argv: Sequence[str],
+    task_modules: Sequence[str] = (),
+    adjust: Callable[[Any, Any], None] | None = None,
+    define_extra: Callable[[Any], None] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run the trainer's command line; returns the exit status.
+
+    Args:
+      argv: the command line, program name first.
+      task_modules: modules to import so that their tasks register (e.g. "lra.train_task");
+        one that needs a package that is not installed is skipped, and only its tasks
+        are unavailable (``import_task_modules``).
+      adjust: ``(config, flag values) -> None`` applied after parsing (for aliases that
+        map their own flags onto config fields).
+      define_extra: ``flag values -> None`` defining those aliases' extra flags.
+      stdout, stderr: where the summary line and errors go (default sys's).
+    """
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    prog = os.path.basename(argv[0]) if argv else "train.py"
+
+    def fail(message: str, status: int = USAGE_EXIT) -> int:
+        err.write(f"error: {' '.join(str(message).split())}\n")
+        err.flush()
+        return status
+
+    argv = list(argv)
+    fv = flags.FlagValues()
+    if any(a in ("--help", "-h", "--helpfull", "-help") for a in argv[1:]):
+        _define_flags(fv, None, argv)
+        if define_extra is not None:
+            define_extra(fv)
+        _print_help(prog, fv, out)
+        return 0
+    spec = _config_spec(argv)
+    if not spec:
+        return fail("--config is required, e.g. --config=configs/synthetic.py:quick (see --help)")
+    skipped = import_task_modules(task_modules)
+    try:
+        config = load_config_file(spec)
+    except ConfigError as e:
+        return fail(str(e))
+    except Exception as e:  # the config file itself raised
+        return fail(f"--config={spec}: {type(e).__name__}: {_last_line(str(e))}")
+    if not isinstance(config, ml_collections.ConfigDict):
+        return fail(
+            f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict"
+        )
+    _add_attention_options(config, argv)
+    parse_argv = _without_config_spec(argv)
+    try:
+        # Defining the config flag already applies the --config.<field> overrides.
+        _define_flags(fv, config, parse_argv)
+        if define_extra is not None:
+            define_extra(fv)
+        rest = fv(parse_argv)
+    except Exception as e:
+        return fail(describe_flag_error(e, parse_argv, config, fv))
+    if len(rest) > 1:
+        return fail(f"unexpected arguments {rest[1:]} (see --help)")
+    config = fv["config"].value
+    if adjust is not None:
+        try:
+            adjust(config, fv)
+        except (ConfigError, ValueError) as e:
+            return fail(str(e))
+
+    from sbm_jax.training.distributed import DistributedConfigError, maybe_initialize_distributed
+
+    try:
+        maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
+    except DistributedConfigError as e:
+        return fail(str(e))
+    import jax
+
+    primary = jax.process_index() == 0
+    errors = check_config(config)
+    note = unavailable_task_note(config, skipped)
+    if note is not None:
+        errors = [note] + [e for e in errors if not e.startswith("task.name=")]
+    if fv.print_config or fv.dry_run:
+        if primary:
+            out.write(str(config))
+            out.flush()
+    if errors:
+        return fail(one_line(errors, config))
+    if fv.print_config:
+        return 0
+
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training.nonfinite import NonFiniteError
+    from sbm_jax.training.run_dir import check_resume, resolve_output_dir
+    from sbm_jax.training.summary import format_run_summary
+    from sbm_jax.training.trainer import train_and_evaluate
+
+    try:
+        output_dir = resolve_output_dir(config, fv.output_dir)
+        resuming = check_resume(output_dir, config)
+    except ConfigError as e:
+        return fail(str(e))
+    if fv.dry_run:
+        what = "resume the run in" if resuming else "train a new run in"
+        out.write(f"config OK; would {what} {output_dir}\n")
+        return 0
+    given = copy.deepcopy(config)
+    # The run's own lines (the tasks' notes, "resuming from step N", warnings) go to
+    # ``stdout`` like the summary line.
+    redirect = contextlib.redirect_stdout(out) if stdout is not None else contextlib.nullcontext()
+    try:
+        with redirect:
+            try:
+                task = build_task(config, output_dir=output_dir)
+            except (ValueError, FileNotFoundError) as e:
+                return fail(one_line([str(e)], config))
+            summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
+    except ConfigError as e:
+        return fail(one_line([str(e)], config))
+    except NonFiniteError as e:
+        return fail(str(e), NONFINITE_EXIT)
+    except KeyboardInterrupt:
+        err.write("interrupted\n")
+        return INTERRUPTED_EXIT
+    if primary:
+        out.write(format_run_summary(summary) + "\n")
+        out.flush()
+    return 0
+
+
+def run(argv: Sequence[str] | None = None, **kwargs: Any) -> None:
+    """``sys.exit(main(argv or sys.argv))`` (tracebacks only for bugs, not user errors)."""
+    try:
+        status = main(list(sys.argv if argv is None else argv), **kwargs)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.exit(status)

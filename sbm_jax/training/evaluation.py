@@ -1,0 +1,105 @@
+"""Host loops over an evaluation split: metrics (``evaluate_split``) and predictions
+(``predict_split``), each batch put on the mesh and run through a jitted step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from sbm_jax.training.host_data import put_global
+from sbm_jax.training.state import TrainState
+from sbm_jax.training.steps import data_sharding
+from sbm_jax.training.task import Batch
+
+Array = jax.Array
+
+
+def evaluate_split(
+    eval_step: Callable[[TrainState, Batch, Array], dict[str, Any]],
+    state: TrainState,
+    batches: Iterable[Batch],
+    mesh: Mesh,
+    rng: Array,
+    eval_metrics: Callable[[np.ndarray], dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Loss, accuracy, density, overflow (and task metrics) of one split.
+
+    Args:
+      eval_step: ``make_detailed_eval_step``'s step.
+      state, batches, mesh: what to evaluate, on which mesh.
+      rng: batch ``i`` samples with ``fold_in(rng, i)``.
+      eval_metrics: ``confusion -> metrics`` (``Task.eval_metrics``), when the step
+        returns a confusion matrix.
+
+    Returns:
+      ``loss``, ``accuracy`` (weighted means), ``examples`` (total weight), and where
+      sown: ``density`` (mean over modules and heads of the per-example mean),
+      ``density_per_head`` {module: {"mean": [heads], "std": [heads]}} with mean and
+      standard deviation over the split's real examples, ``overflow`` (graphs whose
+      draws exceeded the largest capacity bucket) and ``overflow_per_layer``; plus
+      ``eval_metrics(confusion)``. Empty for an empty split.
+    """
+    totals: dict[str, Any] | None = None
+    for i, batch in enumerate(batches):
+        sharded = put_global(dict(batch), data_sharding(mesh))
+        out = jax.device_get(eval_step(state, sharded, jax.random.fold_in(rng, i)))
+        totals = out if totals is None else jax.tree.map(np.add, totals, out)
+    if totals is None:
+        return {}
+    weight = max(float(totals["weight"]), 1e-9)
+    result: dict[str, Any] = {
+        "loss": float(totals["loss_sum"]) / weight,
+        "accuracy": float(totals["correct_sum"]) / weight,
+        "examples": float(totals["weight"]),
+    }
+    if totals["density"]:
+        per_head = {}
+        for path, d in totals["density"].items():
+            count = np.maximum(np.asarray(d["count"], np.float64), 1e-9)
+            mean = np.asarray(d["sum"], np.float64) / count
+            var = np.maximum(np.asarray(d["sumsq"], np.float64) / count - mean**2, 0.0)
+            per_head[path] = {"mean": mean.tolist(), "std": np.sqrt(var).tolist()}
+        result["density"] = float(np.mean([np.mean(v["mean"]) for v in per_head.values()]))
+        result["density_per_head"] = per_head
+    if totals.get("overflow"):
+        per_layer = {k: float(v) for k, v in totals["overflow"].items()}
+        result["overflow"] = float(sum(per_layer.values()))
+        result["overflow_per_layer"] = per_layer
+    if "confusion" in totals:
+        confusion = np.rint(np.asarray(totals["confusion"], np.float64)).astype(np.int64)
+        result["confusion"] = confusion.tolist()
+        if eval_metrics is not None:
+            result.update(eval_metrics(confusion))
+    return result
+
+
+def predict_split(
+    predict_step: Callable[[TrainState, Batch, Array], Array],
+    state: TrainState,
+    batches: Iterable[Batch],
+    mesh: Mesh,
+    rng: Array,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(index int64 [n], predicted class int64 [n]) of the real rows of ``batches``.
+
+    Each batch carries ``index`` int [batch] (the example ids written out) and
+    ``example_mask`` bool [batch] (False for filler rows).
+    """
+    indices, predictions = [], []
+    for i, batch in enumerate(batches):
+        host = {k: np.asarray(v) for k, v in batch.items()}
+        real = host.get("example_mask", np.ones(len(host["index"]), bool)).astype(bool)
+        device = {k: v for k, v in host.items() if k != "index"}
+        sharded = put_global(device, data_sharding(mesh))
+        predicted = np.asarray(
+            jax.device_get(predict_step(state, sharded, jax.random.fold_in(rng, i)))
+        )
+        indices.append(host["index"][real].astype(np.int64))
+        predictions.append(predicted[real].astype(np.int64))
+    if not indices:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(indices), np.concatenate(predictions)
