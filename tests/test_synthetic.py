@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import math
 import importlib.util
 import json
+import math
 import os
 
 import numpy as np
