@@ -165,3 +165,36 @@ def test_accuracy_ceiling_end_points_and_flat_start():
         assert accuracy_ceiling(n, 0.9) < 0.97 < 0.99 < accuracy_ceiling(n, 0.985)
     with pytest.raises(ValueError, match="density"):
         accuracy_ceiling(64, 1.5)
+
+
+def _synthetic_table_module():
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_table", os.path.join(ROOT, "scripts", "synthetic_table.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_table_reads_the_steps_a_run_leaves_the_baseline_and_solves(tmp_path):
+    table = _synthetic_table_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(
+        json.dumps({"seed": 3, "model": {"attention": "sbm", "attention_options": {}}})
+    )
+    # accuracy 0.63 for steps 1-50, 0.8 for 51-100, 1.0 from 101; density 0.2 then 0.9
+    rows = ["step,loss,accuracy,density"]
+    for step in range(1, 151):
+        acc = 0.63 if step <= 50 else (0.8 if step <= 100 else 1.0)
+        rows.append(f"{step},0.5,{acc},{0.2 if step <= 50 else 0.9}")
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+    row = table.run_row(str(run), leave=0.7, solved=0.99, smooth=10)
+    # a 10-step trailing mean first reaches 0.70 when 5 of its 10 values are 0.8
+    # (0.5 * 0.63 + 0.5 * 0.8 = 0.715; 4 of 10 give 0.698), i.e. at step 55
+    assert row["leaves_baseline"] == 55
+    assert row["solved"] == 110  # all ten values 1.0
+    assert row["finished"] is False and row["last_step"] == 150
+    assert row["ste"] == "paper" and row["seed"] == 3
+    assert row["max_density"] == pytest.approx(0.9)
+    assert "stopped at 150" in table.markdown([row])

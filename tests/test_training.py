@@ -231,7 +231,28 @@ def test_data_parallel_over_two_devices_matches_one_device():
 
 @pytest.mark.slow
 def test_quick_full_preset_learns():
+    # Tied query/key init: 1.0000 / 1.0000 / 0.9999 on seeds 0-2, 0.99 by step ~250
+    # (docs/synthetic.md); with independent init it plateaued at 0.82-0.92.
     config = synthetic_config.get_config("full,quick")
     config.task.eval_batches = 0
     result = train(config, build_task(config))
-    assert np.mean([r["accuracy"] for r in result.history[-20:]]) > 0.9
+    assert np.mean([r["accuracy"] for r in result.history[-20:]]) > 0.99
+
+
+@pytest.mark.slow
+def test_quick_sbm_preset_climbs_toward_dense_and_learns():
+    # Fig. 4 at the quick scale: density rises from ~0.2 toward dense and accuracy leaves
+    # the 0.63 baseline (seeds 0 / 1: eval 0.88 / 0.96 at density 0.73 / 0.90, highest
+    # density 0.97 / 0.91; docs/synthetic.md). Below ~0.30 density no graph beats 0.63.
+    config = synthetic_config.get_config("sbm,quick")
+    config.task.eval_batches = 0
+    result = train(config, build_task(config))
+    late = result.history[-20:]
+    assert np.mean([r["accuracy"] for r in late]) > 0.8
+    assert (
+        max(
+            np.mean([r["density"] for r in result.history[i : i + 20]])
+            for i in range(0, len(result.history) - 20, 20)
+        )
+        > 0.7
+    )
