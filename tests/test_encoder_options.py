@@ -19,7 +19,11 @@ import pytest
 from sbm_jax.attention import STATS_COLLECTION
 from sbm_jax.layers.tt import tt_cores_of, tt_to_dense
 from sbm_jax.models import Encoder, build_encoder
-from sbm_jax.models.encoder import scale_output_projection, scaled_residual_factor
+from sbm_jax.models.encoder import (
+    scale_output_projection,
+    scaled_residual_factor,
+    sinusoidal_positions,
+)
 
 SMALL = dict(vocab_size=13, max_len=10, emb_dim=8, num_heads=2, head_dim=4, mlp_dim=16)
 
@@ -189,3 +193,84 @@ def test_config_validation_names_non_bool_flags():
     bad.model.scaled_residual_init = "yes"
     with pytest.raises(ConfigError, match="model.scaled_residual_init='yes'"):
         validate_config(bad, device_count=1)
+
+
+def test_tied_query_key_init_copies_query_and_leaves_the_rest():
+    tokens, mask = _inputs()
+    base = _init(Encoder(**SMALL, num_layers=2), tokens, mask)
+    tied = _init(Encoder(**SMALL, num_layers=2, query_key_init="tied"), tokens, mask)
+    assert jax.tree.structure(base) == jax.tree.structure(tied)
+    for layer in ("block_0", "block_1"):
+        attn, base_attn = tied[layer]["attention"], base[layer]["attention"]
+        for leaf in ("kernel", "bias"):
+            np.testing.assert_array_equal(attn["key"][leaf], attn["query"][leaf])
+            np.testing.assert_array_equal(attn["query"][leaf], base_attn["query"][leaf])
+        # the independent draw really differs, so the copy is what made them equal
+        assert not np.allclose(base_attn["key"]["kernel"], base_attn["query"]["kernel"])
+    # every parameter outside the key projections is the untied draw
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tied)[0]:
+        keys = tuple(p.key for p in path)
+        if "key" in keys:
+            continue
+        other = base
+        for k in keys:
+            other = other[k]
+        np.testing.assert_array_equal(leaf, other, err_msg=str(keys))
+
+
+def test_tied_init_makes_the_step_zero_scores_a_gram_matrix():
+    # With W_k = W_q (and b_k = b_q) the scores q_i . k_j are the Gram matrix of the
+    # queries: positive semi-definite, so equal inputs score alike from step 0.
+    tokens, mask = _inputs()
+    encoder = Encoder(**SMALL, num_layers=1, query_key_init="tied")
+    params = _init(encoder, tokens, mask)
+    attn = params["block_0"]["attention"]
+    x = jax.random.normal(jax.random.key(3), (6, SMALL["emb_dim"]))
+    q = jnp.einsum("ld,dhk->lhk", x, attn["query"]["kernel"]) + attn["query"]["bias"]
+    k = jnp.einsum("ld,dhk->lhk", x, attn["key"]["kernel"]) + attn["key"]["bias"]
+    scores = jnp.einsum("lhk,mhk->hlm", q, k)
+    gram = jnp.einsum("lhk,mhk->hlm", q, q)
+    np.testing.assert_allclose(scores, gram, rtol=1e-6, atol=1e-6)
+    assert float(jnp.min(jnp.linalg.eigvalsh(scores))) > -1e-5
+
+
+def test_tied_init_refuses_a_mechanism_without_separate_projections():
+    tokens, mask = _inputs()
+    encoder = Encoder(**SMALL, num_layers=1, attention="reformer", query_key_init="tied")
+    with pytest.raises(ValueError, match="model.query_key_init='tied'.*'query' and 'key'"):
+        _init(encoder, tokens, mask)
+
+
+def test_position_embedding_choices_and_final_norm():
+    tokens, mask = _inputs()
+    learned = _init(Encoder(**SMALL, num_layers=1), tokens, mask)
+    none = _init(Encoder(**SMALL, num_layers=1, position_embedding="none"), tokens, mask)
+    sinus = _init(Encoder(**SMALL, num_layers=1, position_embedding="sinusoidal"), tokens, mask)
+    assert "pos_embed" in learned and "pos_embed" not in none and "pos_embed" not in sinus
+    no_norm = _init(Encoder(**SMALL, num_layers=1, final_norm=False), tokens, mask)
+    assert "ln_final" in learned and "ln_final" not in no_norm
+    with pytest.raises(ValueError, match="model.position_embedding='rotary'"):
+        _init(Encoder(**SMALL, num_layers=1, position_embedding="rotary"), tokens, mask)
+
+
+def test_sinusoidal_table_matches_the_closed_form():
+    table = np.asarray(sinusoidal_positions(7, 6))
+    for pos in range(7):
+        for i in range(3):
+            angle = pos / 10000.0 ** (2 * i / 6)
+            np.testing.assert_allclose(table[pos, 2 * i], math.sin(angle), atol=1e-6)
+            np.testing.assert_allclose(table[pos, 2 * i + 1], math.cos(angle), atol=1e-6)
+
+
+def test_build_encoder_reads_the_new_fields_and_names_bad_values():
+    from configs import synthetic as synthetic_config
+
+    config = synthetic_config.get_config("smoke")
+    encoder = build_encoder(config.model)
+    assert encoder.query_key_init == config.model.query_key_init
+    assert encoder.position_embedding == config.model.position_embedding
+    assert encoder.final_norm == config.model.final_norm
+    bad = synthetic_config.get_config("smoke")
+    bad.model.query_key_init = "shared"
+    with pytest.raises(ValueError, match="model.query_key_init='shared'"):
+        build_encoder(bad.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 
 import numpy as np
@@ -12,7 +13,12 @@ import pytest
 
 from configs import synthetic as synthetic_config
 from sbm_jax.tasks import build_task
-from sbm_jax.tasks.synthetic import batch_for_step, duplicate_labels, sample_batch
+from sbm_jax.tasks.synthetic import (
+    accuracy_ceiling,
+    batch_for_step,
+    duplicate_labels,
+    sample_batch,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,3 +130,71 @@ def test_smoke_preset_with_sbm_logs_density(tmp_path):
     first = np.mean([r["loss"] for r in train[:5]])
     last = np.mean([r["loss"] for r in train[-5:]])
     assert last < first - 0.1, (first, last)
+
+
+@pytest.mark.parametrize("density", [0.2, 0.5, 0.9])
+def test_accuracy_ceiling_matches_a_simulated_bayes_optimal_reader(density):
+    # Simulate sequences and a random graph at the given density (self pair excluded);
+    # the best rule that only knows "a match was seen" or not is read off the simulated
+    # counts (majority label in each of the two observable states), not from the formula.
+    rng = np.random.default_rng(0)
+    n, batch = 32, 4000
+    tokens = rng.integers(1, n + 1, size=(batch, n))
+    labels = duplicate_labels(tokens)
+    same = tokens[:, :, None] == tokens[:, None, :]
+    seen = rng.random((batch, n, n)) < density
+    off_diagonal = ~np.eye(n, dtype=bool)[None]
+    match_seen = np.any(same & seen & off_diagonal, axis=-1)
+    correct = 0
+    for state in (False, True):
+        in_state = match_seen == state
+        ones = int(np.sum(labels[in_state]))
+        correct += max(ones, int(np.sum(in_state)) - ones)
+    simulated = correct / labels.size
+    stderr = math.sqrt(simulated * (1 - simulated) / labels.size)
+    assert abs(accuracy_ceiling(n, density) - simulated) < 5 * stderr + 1e-3
+
+
+def test_accuracy_ceiling_end_points_and_flat_start():
+    for n in (16, 64, 256):
+        baseline = 1 - (1 - 1 / n) ** (n - 1)  # the all-ones guess
+        assert accuracy_ceiling(n, 0.0) == pytest.approx(baseline, abs=1e-12)
+        assert accuracy_ceiling(n, 1.0) == pytest.approx(1.0, abs=1e-12)
+        # no density below ~0.3 can beat the all-ones guess; 99% needs ~0.98
+        assert accuracy_ceiling(n, 0.29) == pytest.approx(baseline, abs=1e-12)
+        assert accuracy_ceiling(n, 0.9) < 0.97 < 0.99 < accuracy_ceiling(n, 0.985)
+    with pytest.raises(ValueError, match="density"):
+        accuracy_ceiling(64, 1.5)
+
+
+def _synthetic_table_module():
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_table", os.path.join(ROOT, "scripts", "synthetic_table.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_table_reads_the_steps_a_run_leaves_the_baseline_and_solves(tmp_path):
+    table = _synthetic_table_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(
+        json.dumps({"seed": 3, "model": {"attention": "sbm", "attention_options": {}}})
+    )
+    # accuracy 0.63 for steps 1-50, 0.8 for 51-100, 1.0 from 101; density 0.2 then 0.9
+    rows = ["step,loss,accuracy,density"]
+    for step in range(1, 151):
+        acc = 0.63 if step <= 50 else (0.8 if step <= 100 else 1.0)
+        rows.append(f"{step},0.5,{acc},{0.2 if step <= 50 else 0.9}")
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+    row = table.run_row(str(run), leave=0.7, solved=0.99, smooth=10)
+    # a 10-step trailing mean first reaches 0.70 when 5 of its 10 values are 0.8
+    # (0.5 * 0.63 + 0.5 * 0.8 = 0.715; 4 of 10 give 0.698), i.e. at step 55
+    assert row["leaves_baseline"] == 55
+    assert row["solved"] == 110  # all ten values 1.0
+    assert row["finished"] is False and row["last_step"] == 150
+    assert row["ste"] == "paper" and row["seed"] == 3
+    assert row["max_density"] == pytest.approx(0.9)
+    assert "stopped at 150" in table.markdown([row])

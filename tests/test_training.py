@@ -272,8 +272,23 @@ def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_quick_full_preset_learns(tmp_path):
+    # Tied query/key init: 1.0000 / 1.0000 / 0.9999 on seeds 0-2, 0.99 by step ~250
+    # (docs/synthetic.md); with independent init it plateaued at 0.82-0.92.
     config = synthetic_config.get_config("full,quick")
     config.task.eval_batches = 0
     train_and_evaluate(config, build_task(config), str(tmp_path))
     history = _records(tmp_path)
-    assert np.mean([r["accuracy"] for r in history[-20:]]) > 0.9
+    assert np.mean([r["accuracy"] for r in history[-20:]]) > 0.99
+
+
+@pytest.mark.slow
+def test_quick_sbm_preset_climbs_toward_dense_and_learns(tmp_path):
+    # Fig. 4 at the quick scale: density rises from ~0.2 toward dense and accuracy leaves
+    # the 0.63 baseline (docs/synthetic.md). Below ~0.30 density no graph beats 0.63.
+    config = synthetic_config.get_config("sbm,quick")
+    config.task.eval_batches = 0
+    train_and_evaluate(config, build_task(config), str(tmp_path))
+    history = _records(tmp_path)
+    assert np.mean([r["accuracy"] for r in history[-20:]]) > 0.8
+    windows = range(0, len(history) - 20, 20)
+    assert max(np.mean([r["density"] for r in history[i : i + 20]]) for i in windows) > 0.7

@@ -5,7 +5,8 @@ Fields read (each documented where a config file sets it):
 attention_options, dropout, attention_dropout, pooling, classifier_dim, num_classes,
 dtype`` and, for token heads, ``token_head_dim`` (optional, default 0); optional
 ``remat`` and ``scaled_residual_init`` (default False, the Sparse Transformer's
-training aids, see ``sbm_jax.models.encoder``).
+training aids), ``query_key_init`` (default "independent"), ``position_embedding``
+(default "learned") and ``final_norm`` (default True); see ``sbm_jax.models.encoder``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from sbm_jax.models.encoder import Encoder
+from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS, Encoder
 from sbm_jax.models.heads import (
     ClassificationHead,
     DualEncoderClassifier,
@@ -49,12 +50,20 @@ def _options(value: Any) -> dict[str, Any]:
     raise ValueError(f"model.attention_options must be a mapping, got {type(value).__name__}")
 
 
-def _flag(model: Any, name: str) -> bool:
-    """Optional boolean ``model.<name>`` (default False); anything else names the field."""
-    value = model.get(name, False)
+def _flag(model: Any, name: str, default: bool = False) -> bool:
+    """Optional boolean ``model.<name>``; anything else names the field."""
+    value = model.get(name, default)
     if not isinstance(value, bool):
         raise ValueError(f"model.{name}={value!r} must be True or False")
     return value
+
+
+def _choice(model: Any, name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Optional string ``model.<name>`` from ``choices``; anything else names the field."""
+    value = model.get(name, default)
+    if value not in choices:
+        raise ValueError(f"model.{name}={value!r} must be one of {choices}")
+    return str(value)
 
 
 def build_encoder(model: Any) -> Encoder:
@@ -75,6 +84,9 @@ def build_encoder(model: Any) -> Encoder:
         dtype=model_dtype(str(model.get("dtype", "float32"))),
         remat=_flag(model, "remat"),
         scaled_residual_init=_flag(model, "scaled_residual_init"),
+        query_key_init=_choice(model, "query_key_init", "independent", QUERY_KEY_INITS),
+        position_embedding=_choice(model, "position_embedding", "learned", POSITION_EMBEDDINGS),
+        final_norm=_flag(model, "final_norm", default=True),
     )
 
 

@@ -11,6 +11,7 @@ from ``numpy.random.default_rng([seed, s])``, so a restarted run sees the same d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +56,37 @@ def sample_batch(rng: np.random.Generator, batch_size: int, seq_len: int) -> dic
         "targets": duplicate_labels(tokens),
         "weights": np.ones((batch_size, seq_len), np.float32),
     }
+
+
+def accuracy_ceiling(seq_len: int, density: float) -> float:
+    """Best token accuracy of any model that sees each other token with probability ``density``.
+
+    The model is told, for each token, only whether one of the other tokens it sees holds
+    the same value (independently per pair, as an SBM graph at uniform density samples
+    them). A seen match proves a repeat; with none seen, the best guess is the likelier
+    label given that none was seen. With ``D ~ Binomial(N - 1, 1/N)`` repeats of a token
+    and ``rho`` the density::
+
+        P(none seen) = E[(1 - rho)^D],   P(unique | none seen) = P(D = 0) / P(none seen)
+        ceiling = 1 - P(none seen) + P(none seen) * max(P(unique | none), 1 - P(unique | none))
+
+    At ``rho = 0`` this is the all-ones baseline (~0.63); it stays there up to
+    ``rho ~ 0.30`` (for any N >= 16), and it needs ``rho ~ 0.98`` for 99%: the paper's
+    "the sole head must perform full attention".
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} must be >= 2")
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density={density} must lie in [0, 1]")
+    n, q = seq_len - 1, 1.0 / seq_len
+    none = 0.0
+    p_unique = (1.0 - q) ** n
+    for d in range(n + 1):
+        log_p = math.lgamma(n + 1) - math.lgamma(d + 1) - math.lgamma(n - d + 1)
+        log_p += d * math.log(q) + (n - d) * math.log1p(-q)
+        none += math.exp(log_p) * (1.0 - density) ** d
+    unique_given_none = p_unique / none
+    return 1.0 - none + none * max(unique_given_none, 1.0 - unique_given_none)
 
 
 def batch_for_step(seed: int, step: int, batch_size: int, seq_len: int, stream: int = 0) -> Batch:

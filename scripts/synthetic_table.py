@@ -1,0 +1,121 @@
+"""One markdown row per synthetic-task run: what docs/results.md and docs/synthetic.md show.
+
+  python scripts/synthetic_table.py runs/synthetic_sbm_quick-* runs/synthetic_full_quick-*
+
+For each run directory (``config.json``, ``metrics.csv`` and, once finished,
+``summary.json``): the mechanism, the mask estimator, the seed, the eval accuracy and
+density of the final evaluation, the highest training density (moving average), the
+step the run leaves the all-ones baseline (moving-average training accuracy first at
+``--leave`` or above) and the step it first reaches ``--solved``. A run that stopped
+before its last step is marked with the step it reached; its "final" columns are then
+the last logged training figures, not an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from sbm_jax.training.plots import read_metrics_csv  # noqa: E402
+
+_LEAVE = flags.DEFINE_float("leave", 0.70, "Accuracy that counts as leaving the baseline.")
+_SOLVED = flags.DEFINE_float("solved", 0.99, "Accuracy that counts as solved.")
+_SMOOTH = flags.DEFINE_integer("smooth", 20, "Moving average over this many logged steps.")
+
+
+def moving_average(values: list[float], width: int) -> list[float]:
+    """Trailing mean over ``width`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= width:
+            total -= values[i - width]
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def first_step_at(steps: list[float], values: list[float], level: float) -> int | None:
+    """First step whose value is at least ``level`` (None if never)."""
+    for step, value in zip(steps, values, strict=True):
+        if value >= level:
+            return int(step)
+    return None
+
+
+def run_row(run: str, leave: float, solved: float, smooth: int) -> dict[str, object]:
+    """The table's figures for one run directory."""
+    with open(os.path.join(run, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    model = config.get("model", {})
+    options = model.get("attention_options", {}) or {}
+    metrics = read_metrics_csv(os.path.join(run, "metrics.csv"))
+    steps, acc = metrics["step"], moving_average(metrics["accuracy"], smooth)
+    dens = moving_average(metrics.get("density", [1.0] * len(steps)), smooth)
+    row: dict[str, object] = {
+        "run": os.path.basename(os.path.normpath(run)),
+        "attention": model.get("attention", "?"),
+        "ste": options.get("ste", "paper") if model.get("attention") == "sbm" else "-",
+        "qk_init": model.get("query_key_init", "independent"),
+        "seed": config.get("seed", "?"),
+        "leaves_baseline": first_step_at(steps, acc, leave),
+        "solved": first_step_at(steps, acc, solved),
+        "max_density": max(dens) if dens else None,
+        "last_step": int(steps[-1]) if steps else 0,
+    }
+    summary_path = os.path.join(run, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path, encoding="utf-8") as f:
+            summary = json.load(f)
+        final = summary.get("eval") or {}
+        row["accuracy"] = final.get("accuracy", summary.get("accuracy"))
+        row["density"] = final.get("density", summary.get("density"))
+        row["finished"] = True
+    else:
+        row["accuracy"], row["density"] = acc[-1] if acc else None, dens[-1] if dens else None
+        row["finished"] = False
+    return row
+
+
+def _fmt(value: object, digits: int = 3) -> str:
+    if value is None:
+        return "never"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    """The rows as a markdown table."""
+    head = (
+        "| run | attention | estimator | QK init | seed | final accuracy | final density "
+        "| highest density | leaves baseline | solved |\n" + "|---" * 10 + "|\n"
+    )
+    lines = []
+    for r in rows:
+        final = "" if r["finished"] else f" (stopped at {r['last_step']}, train MA)"
+        lines.append(
+            f"| {r['run']} | {r['attention']} | {r['ste']} | {r['qk_init']} | {r['seed']} "
+            f"| {_fmt(r['accuracy'], 4)}{final} | {_fmt(r['density'], 2)} "
+            f"| {_fmt(r['max_density'], 2)} | {_fmt(r['leaves_baseline'])} | {_fmt(r['solved'])} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    runs = argv[1:]
+    if not runs:
+        raise app.UsageError("give one or more synthetic-task run directories")
+    for run in runs:
+        if not os.path.exists(os.path.join(run, "metrics.csv")):
+            raise app.UsageError(f"{run}: no metrics.csv (not a run directory?)")
+    rows = [run_row(run, _LEAVE.value, _SOLVED.value, _SMOOTH.value) for run in runs]
+    print(markdown(rows), end="")
+
+
+if __name__ == "__main__":
+    app.run(main)
