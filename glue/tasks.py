@@ -58,7 +58,11 @@ ARCHITECTURE_FIELDS = (
     "mlp_dim",
     "attention",
     "attention_options",
+    "position_embedding",
+    "final_norm",
 )
+# What a field absent from an older checkpoint's config meant (the encoder's default then).
+ARCHITECTURE_DEFAULTS = {"position_embedding": "learned", "final_norm": True}
 
 
 def derive_schedule(config: Any, num_examples: int) -> None:
@@ -216,9 +220,9 @@ def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) 
         )
     with config.unlocked():
         for name in ARCHITECTURE_FIELDS:
-            if name not in saved:
+            if name not in saved and name not in ARCHITECTURE_DEFAULTS:
                 raise ConfigError(f"config.init_from: the checkpoint's model config lacks {name!r}")
-            value = saved[name]
+            value = saved.get(name, ARCHITECTURE_DEFAULTS.get(name))
             if name == "attention_options":
                 value = ml_collections.ConfigDict(
                     {k: tuple(v) if isinstance(v, list) else v for k, v in (value or {}).items()}

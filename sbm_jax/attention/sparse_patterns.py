@@ -225,8 +225,9 @@ class SparseFixedAttention(_PatternAttention):
     Options: ``stride`` (l; None = round(sqrt(n))), ``c`` (summary cells per block;
     None = :func:`default_summary_cells`: 8 for every l >= 64, the paper's example of
     l = 128 with c = 8, so the cost stays O(n sqrt n); at most l), ``causal``,
-    ``distinct_summaries`` (B heads use distinct subblocks of c cells, the paper's preferred multi-head variant), ``impl``
-    ("blocked", default, O(n sqrt n) for a fixed c; "mask", the dense-mask reference).
+    ``distinct_summaries`` (B heads use distinct subblocks of c cells, the paper's
+    preferred multi-head variant), ``impl`` ("blocked", default, O(n sqrt n) for a
+    fixed c; "mask", the dense-mask reference).
     """
 
     c: int | None = None

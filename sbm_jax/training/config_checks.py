@@ -27,6 +27,7 @@ from typing import Any
 
 from sbm_jax.attention import get_attention
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
+from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS
 
 # Fields every mechanism's constructor takes from ``model``, not from its options.
 COMMON_ATTENTION_FIELDS = frozenset(
@@ -168,6 +169,13 @@ def check_model(model: Any, errors: list[str]) -> None:
             )
     for name in ("remat", "scaled_residual_init"):  # optional flags, default False
         _flag(errors, model, "model", name, False)
+    _flag(errors, model, "model", "final_norm", True)
+    for name, default, choices in (
+        ("query_key_init", "independent", QUERY_KEY_INITS),
+        ("position_embedding", "learned", POSITION_EMBEDDINGS),
+    ):
+        if model.get(name, default) not in choices:
+            errors.append(f"model.{name}={model.get(name)!r} must be one of {choices}")
     if model.get("pooling") not in POOLING_MODES:
         errors.append(f"model.pooling={model.get('pooling')!r} must be one of {POOLING_MODES}")
     try:

@@ -43,6 +43,10 @@ SAFE_TO_CHANGE = (
     "mesh.data",
     "mesh.heads",
     "task.data_dir",
+    # Only the initial parameters depend on it, and a resumed run restores them.
+    "model.query_key_init",
+    # Which edge kernel computes the same sampled attention (float rounding aside).
+    "model.attention_options.kernel",
     "data.tfds_data_dir",
 )
 
@@ -56,6 +60,9 @@ ABSENT_MEANS = {
     "train.halt_on_nonfinite": True,
     "checkpoint.best_metric": "accuracy",
     "checkpoint.best_mode": "max",
+    "model.position_embedding": "learned",
+    "model.final_norm": True,
+    "model.attention_options.ste": "paper",
 }
 
 
