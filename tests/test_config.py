@@ -82,6 +82,8 @@ def test_other_bad_fields_are_named():
     cases = [
         ("model", "dropout", 1.5, "model.dropout"),
         ("model", "pooling", "max", "model.pooling"),
+        ("model", "query_key_init", "shared", "model.query_key_init"),
+        ("model", "position_embedding", "rotary", "model.position_embedding"),
         ("model", "dtype", "float8", "model.dtype"),
         ("model", "num_layers", 0, "model.num_layers"),
         ("train", "learning_rate", -1.0, "train.learning_rate"),

@@ -495,3 +495,25 @@ def test_config_differences_name_every_field_and_allow_the_safe_ones():
     ]  # num_steps and mesh are safe; a field new since the run, at its old behaviour, too
     assert config_differences(saved, saved) == []
     assert config_differences({"a": 1}, {"a": True}) == ["config.a 1 -> true"]
+
+
+def test_runs_saved_before_the_encoder_options_resume_at_their_old_behaviour():
+    from sbm_jax.training.run_dir import config_differences
+
+    saved = {"model": {"emb_dim": 16, "attention_options": {"delta": 0.01}}}
+    new = {
+        "model": {
+            "emb_dim": 16,
+            "position_embedding": "learned",
+            "final_norm": True,
+            "query_key_init": "tied",  # init only: a resumed run restores its parameters
+            "attention_options": {"delta": 0.01, "ste": "paper", "kernel": "rows"},
+        }
+    }
+    assert config_differences(saved, new) == []
+    new["model"]["final_norm"] = False
+    new["model"]["attention_options"]["ste"] = "reference"
+    assert config_differences(saved, new) == [
+        'config.model.attention_options.ste (none) -> "reference"',
+        "config.model.final_norm (none) -> false",
+    ]
