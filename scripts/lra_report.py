@@ -13,7 +13,11 @@ config) and writes into ``--out``:
   layers; SBM at its measured per-layer test density) and peak memory per example at
   inference relative to full attention (XLA's memory analysis of the compiled
   batch-1 forward pass: arguments + outputs + temporaries) (Table 3).
-* ``fig5_density_per_layer.png``: SBM's mean test density per layer and task (fig. 5).
+* ``fig5_density_per_layer.png``: SBM's test density per layer and head, per task, mean
+  and standard deviation over the test set (fig. 5), as the model sowed it in the test
+  evaluation (``summary.json``'s ``test_density_per_head``).
+* ``table2_tradeoff.png``: Table 2 as a figure, test accuracy against test density per
+  lambda, for tasks with runs at two or more lambdas.
 * ``fig7_image_density.png`` / ``fig8_pathfinder_density.png``: for a few test inputs of
   Image / Pathfinder, the input and, per SBM layer, each token's expected attention
   density (the mean over keys of the edge probability ``p_ij``, heads averaged) at the
@@ -257,41 +261,110 @@ def table3(summaries: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     return text + "\n".join(lines) + "\n", dict(numbers)
 
 
+def head_densities(summary: dict[str, Any]) -> list[tuple[list[float], list[float]]]:
+    """Per encoder layer (in layer order): the test density of each head, as sown by the
+    model during the test evaluation, ``(mean [heads], std [heads])`` over test examples."""
+    per_head = summary.get("test_density_per_head") or {}
+    out = []
+    for key in sorted(per_head):
+        entry = per_head[key]
+        mean = [float(v) for v in entry["mean"]]
+        std = [float(v) for v in entry.get("std", [0.0] * len(mean))]
+        out.append((mean, std))
+    return out
+
+
 def figure5(summaries: list[dict[str, Any]], path: str) -> str | None:
-    """Bar chart of SBM's mean test density per layer and task (lambda 0)."""
+    """Fig. 5: SBM's test density per layer and head, per task (lambda 0): the mean over
+    the test set with its standard deviation over test examples as the error bar (seeds
+    averaged), from the densities the model sows in evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [
-        t
-        for t in _tasks(summaries)
-        if any(
-            s["attention"] == "sbm" and s["task_short"] == t and not s.get("density_lambda")
+    def lambda0_sbm(task: str) -> list[dict[str, Any]]:
+        return [
+            s
             for s in summaries
-        )
-    ]
+            if s["attention"] == "sbm"
+            and s["task_short"] == task
+            and not s.get("density_lambda")
+            and s.get("test_density_per_head")
+        ]
+
+    tasks = [t for t in _tasks(summaries) if lambda0_sbm(t)]
     if not tasks:
         return None
-    per_task = {}
+    per_task: dict[str, list[tuple[str, float, float]]] = {}
     for task in tasks:
-        runs = [
-            layer_densities(s)
-            for s in summaries
-            if s["attention"] == "sbm" and s["task_short"] == task and not s.get("density_lambda")
-        ]
-        per_task[task] = np.mean(np.asarray(runs, np.float64), axis=0)
-    layers = max(len(v) for v in per_task.values())
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(tasks), 3.2))
-    width = 0.8 / layers
-    for layer in range(layers):
-        values = [100 * per_task[t][layer] if layer < len(per_task[t]) else 0 for t in tasks]
-        ax.bar(np.arange(len(tasks)) + layer * width, values, width, label=f"layer {layer + 1}")
-    ax.set_xticks(np.arange(len(tasks)) + width * (layers - 1) / 2, tasks)
-    ax.set_ylabel("test density (%)")
+        runs = [head_densities(s) for s in lambda0_sbm(task)]
+        bars = []
+        for layer in range(min(len(r) for r in runs)):
+            heads = min(len(r[layer][0]) for r in runs)
+            for head in range(heads):
+                mean = float(np.mean([r[layer][0][head] for r in runs]))
+                std = float(np.mean([r[layer][1][head] for r in runs]))
+                bars.append((f"L{layer + 1}H{head + 1}", mean, std))
+        per_task[task] = bars
+    fig, axes = plt.subplots(
+        1, len(tasks), figsize=(1.2 + 2.2 * len(tasks), 3.2), squeeze=False, sharey=True
+    )
+    for ax, task in zip(axes[0], tasks, strict=True):
+        labels, means, stds = zip(*per_task[task], strict=True)
+        colors = [f"C{int(label[1 : label.index('H')]) - 1}" for label in labels]
+        ax.bar(
+            range(len(labels)),
+            [100 * m for m in means],
+            yerr=[100 * v for v in stds],
+            color=colors,
+            capsize=3,
+        )
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_title(task, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("test density (%), mean ± std")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure_tradeoff(summaries: list[dict[str, Any]], path: str) -> str | None:
+    """Table 2 as a figure: SBM's test accuracy against its test density, one point per
+    density-regulariser weight lambda (seeds averaged), one line per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points: dict[str, dict[float, list[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for s in summaries:
+        if (
+            s["attention"] == "sbm"
+            and s.get("test_accuracy") is not None
+            and s.get("test_density") is not None
+        ):
+            lam = float(s.get("density_lambda", 0.0))
+            points[s["task_short"]][lam].append((s["test_density"], s["test_accuracy"]))
+    tasks = [t for t in _tasks(summaries) if len(points.get(t, {})) >= 2]
+    if not tasks:
+        return None
+    fig, ax = plt.subplots(figsize=(4.6, 3.4))
+    for task in tasks:
+        lams = sorted(points[task])
+        dens = [100 * float(np.mean([p[0] for p in points[task][lam]])) for lam in lams]
+        acc = [100 * float(np.mean([p[1] for p in points[task][lam]])) for lam in lams]
+        ax.plot(dens, acc, "o-", label=task)
+        for lam, x, y in zip(lams, dens, acc, strict=True):
+            ax.annotate(f"{lam:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("test density (%)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("accuracy vs density per lambda", fontsize=9)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -425,6 +498,9 @@ def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
     fig5 = figure5(summaries, os.path.join(out, "fig5_density_per_layer.png"))
     if fig5:
         report["files"].append(fig5)
+    tradeoff = figure_tradeoff(summaries, os.path.join(out, "table2_tradeoff.png"))
+    if tradeoff:
+        report["files"].append(tradeoff)
     if num_maps > 0:
         for task, fig in (
             ("image", "fig7_image_density"),

@@ -288,3 +288,34 @@ def test_pathfinder_end_to_end_and_density_maps(tmp_path):
     assert maps.shape == (2, 1, 1024) and np.all((maps >= 0) & (maps <= 1))
     report = lra_report.make_report(str(tmp_path / "runs"), str(tmp_path / "report"), 2)
     assert str(tmp_path / "report" / "fig8_pathfinder_density.png") in report["files"]
+
+
+def test_report_figures_read_the_sown_densities(tmp_path):
+    """Fig. 5 bars and the Table 2 trade-off come from summary.json's sown densities."""
+    from scripts import lra_report
+
+    def summary(lam: float, acc: float, layers: list[tuple[list[float], list[float]]]):
+        per_head = {
+            f"encoder/block_{i}/attention": {"mean": m, "std": s} for i, (m, s) in enumerate(layers)
+        }
+        dens = float(np.mean([np.mean(m) for m, _ in layers]))
+        return {
+            "task_short": "listops",
+            "attention": "sbm",
+            "density_lambda": lam,
+            "test_accuracy": acc,
+            "test_density": dens,
+            "test_density_per_head": per_head,
+        }
+
+    runs = [
+        summary(0.0, 0.36, [([0.2, 0.4], [0.01, 0.02]), ([0.1, 0.3], [0.03, 0.04])]),
+        summary(1e-2, 0.35, [([0.05, 0.07], [0.0, 0.01]), ([0.02, 0.04], [0.0, 0.0])]),
+    ]
+    layers = lra_report.head_densities(runs[0])
+    assert layers == [([0.2, 0.4], [0.01, 0.02]), ([0.1, 0.3], [0.03, 0.04])]
+    fig5 = lra_report.figure5(runs, str(tmp_path / "fig5.png"))
+    trade = lra_report.figure_tradeoff(runs, str(tmp_path / "trade.png"))
+    assert fig5 and os.path.getsize(fig5) > 0 and trade and os.path.getsize(trade) > 0
+    # one lambda only: no trade-off to draw
+    assert lra_report.figure_tradeoff(runs[:1], str(tmp_path / "none.png")) is None
