@@ -21,22 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from sbm_jax.tasks.synthetic import accuracy_ceiling  # noqa: E402
-from sbm_jax.training.plots import read_metrics_csv  # noqa: E402
+from sbm_jax.training.plots import moving_average, read_metrics_csv  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "synthetic_ceiling.png", "PNG file to write.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "N of the runs (the ceiling depends on it).")
 _SMOOTH = flags.DEFINE_integer("smooth", 20, "Moving average over this many logged steps.")
 _TITLE = flags.DEFINE_string("title", None, "Figure title.")
-
-
-def _moving_average(values: list[float], width: int) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= width:
-            total -= values[i - width]
-        out.append(total / min(i + 1, width))
-    return out
 
 
 def main(argv: list[str]) -> None:
@@ -57,8 +47,8 @@ def main(argv: list[str]) -> None:
         if not os.path.isfile(path):
             raise app.UsageError(f"{path} does not exist")
         data = read_metrics_csv(path)
-        density = _moving_average(data["density"], _SMOOTH.value)
-        accuracy = _moving_average(data["accuracy"], _SMOOTH.value)
+        density = moving_average(data["density"], _SMOOTH.value)
+        accuracy = moving_average(data["accuracy"], _SMOOTH.value)
         label = os.path.basename(os.path.normpath(os.path.dirname(path)))
         (line,) = ax.plot(density, accuracy, linewidth=1.0, alpha=0.8, label=label)
         ax.plot(density[-1:], accuracy[-1:], "o", color=line.get_color())

@@ -21,22 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from sbm_jax.training.plots import read_metrics_csv  # noqa: E402
+from sbm_jax.training.plots import moving_average, read_metrics_csv  # noqa: E402
 
 _LEAVE = flags.DEFINE_float("leave", 0.70, "Accuracy that counts as leaving the baseline.")
 _SOLVED = flags.DEFINE_float("solved", 0.99, "Accuracy that counts as solved.")
 _SMOOTH = flags.DEFINE_integer("smooth", 20, "Moving average over this many logged steps.")
-
-
-def moving_average(values: list[float], width: int) -> list[float]:
-    """Trailing mean over ``width`` values (fewer at the start)."""
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= width:
-            total -= values[i - width]
-        out.append(total / min(i + 1, width))
-    return out
 
 
 def first_step_at(steps: list[float], values: list[float], level: float) -> int | None:

@@ -7,6 +7,17 @@ import math
 from collections.abc import Sequence
 
 
+def moving_average(values: Sequence[float], width: int) -> list[float]:
+    """Trailing mean over ``width`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= width:
+            total -= values[i - width]
+        out.append(total / min(i + 1, width))
+    return out
+
+
 def read_metrics_csv(path: str) -> dict[str, list[float]]:
     """metrics.csv -> {column: values}; empty cells become nan."""
     with open(path, newline="", encoding="utf-8") as f:
