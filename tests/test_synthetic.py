@@ -90,6 +90,21 @@ def _train_module():
     return module
 
 
+def _train_through_the_entry_point(preset: str, output_dir: str) -> dict:
+    """``scripts/train.py --config=configs/synthetic.py:<preset> --output_dir=...`` in
+    this process (its ``main``, exit status 0), and the run's summary.json."""
+    status = _train_module().main(
+        [
+            "train.py",
+            f"--config={os.path.join(ROOT, 'configs', 'synthetic.py')}:{preset}",
+            f"--output_dir={output_dir}",
+        ]
+    )
+    assert status == 0
+    with open(os.path.join(output_dir, "summary.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _check_run(summary: dict, output_dir: str) -> list[dict]:
     for name in ("metrics.jsonl", "metrics.csv", "metrics.png", "summary.json", "config.json"):
         assert os.path.getsize(os.path.join(output_dir, name)) > 0, name
@@ -104,9 +119,8 @@ def _check_run(summary: dict, output_dir: str) -> list[dict]:
 
 
 def test_smoke_preset_trains_through_the_entry_point(tmp_path):
-    train_script = _train_module()
-    config = synthetic_config.get_config("full,smoke")
-    summary = train_script.run(config, str(tmp_path / "full"))
+    summary = _train_through_the_entry_point("full,smoke", str(tmp_path / "full"))
+    assert summary["step"] == synthetic_config.get_config("full,smoke").train.num_steps
     train = _check_run(summary, str(tmp_path / "full"))
     first = np.mean([r["loss"] for r in train[:5]])
     last = np.mean([r["loss"] for r in train[-5:]])
@@ -119,9 +133,7 @@ def test_smoke_preset_with_sbm_logs_density(tmp_path):
 
     if "sbm" not in available():
         pytest.skip("sbm attention not registered")
-    train_script = _train_module()
-    config = synthetic_config.get_config("sbm,smoke")
-    summary = train_script.run(config, str(tmp_path / "sbm"))
+    summary = _train_through_the_entry_point("sbm,smoke", str(tmp_path / "sbm"))
     train = _check_run(summary, str(tmp_path / "sbm"))
     densities = [r["density"] for r in train]
     assert all(0.0 < d <= 1.0 for d in densities)
