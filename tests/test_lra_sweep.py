@@ -41,3 +41,16 @@ def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch):
         assert len(calls) == 1
     finally:
         flags.FLAGS.unparse_flags()
+        _forget_script_flags("scripts.lra_sweep")
+
+
+def _forget_script_flags(module: str) -> None:
+    """Remove the absl flags ``module`` defined (and the module), so that another script
+    imported later in the same test process may define flags of the same names (both
+    lra_sweep and lra_report take --root)."""
+    import sys
+
+    for flag in flags.FLAGS.get_flags_for_module(module):
+        if flag.name in flags.FLAGS:
+            delattr(flags.FLAGS, flag.name)
+    sys.modules.pop(module, None)
