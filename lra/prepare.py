@@ -126,6 +126,11 @@ def main(argv):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``sbm-lra-prepare`` console command (same flags as ``python -m lra.prepare``)."""
     flags.mark_flag_as_required("task")
     app.run(main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sbm_jax.training import cli  # noqa: E402
 
 # Task packages outside the library register their tasks when imported.
-TASK_MODULES = ("lra.train_task", "glue.tasks")
+TASK_MODULES = cli.DEFAULT_TASK_MODULES
 
 
 def main(argv: list[str] | None = None) -> int:

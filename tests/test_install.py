@@ -106,3 +106,58 @@ def test_wheel_installs_and_runs_the_readme_api(tmp_path):
     assert len(density) == 2 and all(len(row) == 2 for row in density)
     assert all(0.0 < d <= 1.0 for row in density for d in row)
     assert result["heavy"] == []
+
+
+@pytest.mark.slow  # ~3-5 min: builds the wheel, installs the [train] extra, trains 40 steps
+def test_installed_wheel_trains_through_the_console_command(tmp_path):
+    import json
+
+    source = copy_checkout(str(tmp_path / "src"))
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), source],
+        check=True,
+    )
+    (wheel,) = glob.glob(str(dist / "sbm_jax-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    constraints = os.path.join(REPO, "constraints.txt")
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-c",
+            constraints,
+            f"{wheel}[train]",
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    assert os.access(venv / "bin" / "sbm-lra-prepare", os.X_OK)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    work = tmp_path / "elsewhere"  # not the checkout: the presets come from the wheel
+    work.mkdir()
+    run = subprocess.run(
+        [str(venv / "bin" / "sbm-train"), "--config=synthetic:full,smoke", "--output_dir=run"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    assert summary["step"] == 40 and summary["attention"] == "full"
+    assert summary["config"]["model"]["attention"] == "full"
+    help_run = subprocess.run(
+        [str(venv / "bin" / "sbm-train"), "--help"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert help_run.returncode == 0 and "--print_config" in help_run.stdout

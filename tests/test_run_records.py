@@ -279,6 +279,22 @@ def test_bad_preset_and_missing_config_file(tmp_path):
     assert status == 2 and err.count("\n") == 1 and "no such file" in err
     status, _, err = run_train()
     assert status == 2 and "--config is required" in err
+    status, _, err = run_train("--config=no_such_preset:quick")
+    assert status == 2 and err.count("\n") == 1 and "no preset of that name" in err
+
+
+def test_presets_are_found_by_name_as_an_installed_package_finds_them(tmp_path, monkeypatch):
+    from sbm_jax.training.cli import load_config_file, resolve_config_path
+
+    monkeypatch.chdir(tmp_path)  # not the checkout: configs/ is not a relative path here
+    by_path = load_config_file(f"{SYNTHETIC}:sbm,smoke")
+    for spec in ("synthetic:sbm,smoke", "synthetic.py:sbm,smoke", "configs/synthetic.py:sbm,smoke"):
+        assert load_config_file(spec).to_dict() == by_path.to_dict(), spec
+    listops = resolve_config_path("lra/listops")
+    assert listops is not None and listops.endswith(os.path.join("configs", "lra", "listops.py"))
+    assert resolve_config_path("lra/nothing") is None
+    status, out, err = run_train("--config=synthetic:full,smoke", "--print_config")
+    assert status == 0 and "attention: full" in out, err
 
 
 def test_a_task_module_without_its_dependency_leaves_the_other_tasks(tmp_path, monkeypatch):

@@ -57,6 +57,7 @@ Train a model on the task its config names, through the one trainer.
   {prog} --config=CONFIG.py[:PRESET] [--config.FIELD=VALUE ...] [--output_dir=DIR]
 
   --config=configs/synthetic.py:quick        a config file and its preset
+  --config=synthetic:quick                   the same preset by name (installed package)
   --config.train.num_steps=500               override any field of it
   --print_config                             print the resolved config, check it, exit
   --dry_run                                  also say where it would train, then exit
@@ -70,11 +71,36 @@ To list a preset's fields (every one can be overridden):
 
 
 def _split_spec(spec: str) -> tuple[str, str | None]:
-    """``"configs/x.py:sbm,smoke"`` -> ("configs/x.py", "sbm,smoke")."""
+    """``"configs/x.py:sbm,smoke"`` -> ("configs/x.py", "sbm,smoke"); a preset named
+    without ``.py`` splits at its first colon: ``"lra/listops:sbm"`` -> ("lra/listops",
+    "sbm")."""
     index = spec.find(".py:")
     if index >= 0:
         return spec[: index + 3], spec[index + 4 :]
+    if not spec.endswith(".py") and ":" in spec:
+        path, arg = spec.split(":", 1)
+        return path, arg
     return spec, None
+
+
+def resolve_config_path(path: str) -> str | None:
+    """The config file ``path`` names: the file itself when it exists, else a preset of
+    the ``configs`` package by name (``synthetic``, ``lra/listops``, ``configs/synthetic.py``),
+    which is how an installed package (``sbm-train``, outside a checkout) finds them.
+    None when neither exists."""
+    if os.path.isfile(path):
+        return path
+    name = path[: -len(".py")] if path.endswith(".py") else path
+    name = name.replace(os.sep, "/").removeprefix("./").removeprefix("configs/")
+    try:
+        import configs  # the presets: the checkout's, or the wheel's
+    except ImportError:
+        return None
+    for root in getattr(configs, "__path__", []):
+        candidate = os.path.join(root, *name.split("/")) + ".py"
+        if os.path.isfile(candidate):
+            return candidate
+    return None
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -84,9 +110,13 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
       ConfigError naming ``--config`` for a missing file, a file without ``get_config``
       or a preset its ``get_config`` rejects.
     """
-    path, arg = _split_spec(spec)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config={spec}: no such file {path!r}")
+    given, arg = _split_spec(spec)
+    path = resolve_config_path(given)
+    if path is None:
+        raise ConfigError(
+            f"--config={spec}: no such file {given!r}, and no preset of that name in the "
+            "configs package (e.g. synthetic, lra/listops, glue/pretrain)"
+        )
     name = "sbm_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
@@ -258,6 +288,15 @@ def _without_config_spec(argv: Sequence[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+# Task packages outside the library that register their tasks when imported.
+DEFAULT_TASK_MODULES = ("lra.train_task", "glue.tasks")
+
+
+def console_main() -> None:
+    """The ``sbm-train`` console command: ``scripts/train.py`` of an installed package."""
+    run(task_modules=DEFAULT_TASK_MODULES)
 
 
 # Packages of this project: a task module that fails to import one of these has a bug,

@@ -1,0 +1,1 @@
+"""GLUE configs: ``configs/glue/{pretrain,finetune}.py:<mechanism>[,<scale>]``."""
