@@ -55,7 +55,7 @@ def test_quickstart_notebook_executes_like_colab(tmp_path, monkeypatch):
         "sbm_jax from " + os.path.join(os.path.dirname(os.path.dirname(NOTEBOOK)), "sbm_jax")
         in text
     )
-    assert "final step 40 (sbm)" in text
+    assert "synthetic (sbm, seed 0): " in text and "| 40 steps in " in text  # summary line
     assert "density per head at the last step" in text
     assert "overflow False" in text
     assert _images(nb) == 3  # metrics, density per head, the sampled graph
