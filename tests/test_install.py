@@ -122,6 +122,9 @@ def test_installed_wheel_trains_through_the_console_command(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraints = os.path.join(REPO, "constraints.txt")
+    # No PYTHONPATH: a checkout on it (with its egg-info) would count as sbm-jax installed.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
     subprocess.run(
         [
             str(venv / "bin" / "python"),
@@ -135,10 +138,9 @@ def test_installed_wheel_trains_through_the_console_command(tmp_path):
         ],
         check=True,
         cwd=tmp_path,
+        env=env,
     )
     assert os.access(venv / "bin" / "sbm-lra-prepare", os.X_OK)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JAX_PLATFORMS"] = "cpu"
     work = tmp_path / "elsewhere"  # not the checkout: the presets come from the wheel
     work.mkdir()
     run = subprocess.run(
