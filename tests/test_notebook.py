@@ -38,7 +38,8 @@ def test_notebook_opens_in_colab_and_ships_outputs():
     assert '{"cpu": "train", "gpu": "train,gpu", "tpu": "train,tpu"}[runtime]' in install
     assert "pip" in install and "{repo_dir}[{extras}]" in install
     # Saved with its outputs: the training summary, three figures.
-    assert "final step 40 (sbm)" in outputs_text(nb)
+    text = outputs_text(nb)
+    assert "synthetic (sbm, seed 0): " in text and "| 40 steps in " in text
     assert _images(nb) == 3
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
 
