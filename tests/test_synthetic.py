@@ -80,14 +80,19 @@ def test_task_config_errors_name_the_field():
 
 
 @functools.cache
-def _train_module():
-    """scripts/train.py loaded once (it defines absl flags, which may exist only once)."""
+def _script_module(name: str):
+    """scripts/<name>.py loaded once (a script may define absl flags, which may exist
+    only once per process)."""
     spec = importlib.util.spec_from_file_location(
-        "train_script", os.path.join(ROOT, "scripts", "train.py")
+        f"{name}_script", os.path.join(ROOT, "scripts", f"{name}.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _train_module():
+    return _script_module("train")
 
 
 def _train_through_the_entry_point(preset: str, output_dir: str) -> dict:
@@ -179,17 +184,8 @@ def test_accuracy_ceiling_end_points_and_flat_start():
         accuracy_ceiling(64, 1.5)
 
 
-def _synthetic_table_module():
-    spec = importlib.util.spec_from_file_location(
-        "synthetic_table", os.path.join(ROOT, "scripts", "synthetic_table.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_synthetic_table_reads_the_steps_a_run_leaves_the_baseline_and_solves(tmp_path):
-    table = _synthetic_table_module()
+    table = _script_module("synthetic_table")
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(
