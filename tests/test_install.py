@@ -55,10 +55,17 @@ CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # ~2-4 min: builds the wheel, installs ~30 packages, JAX compiles
-def test_wheel_installs_and_runs_the_readme_api(tmp_path):
-    import json
+def _clean_env() -> dict[str, str]:
+    """This environment without PYTHONPATH (a checkout on it, with its egg-info, would
+    count as sbm-jax installed and hide the wheel), JAX on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
 
+
+def _install_wheel(tmp_path, extras: str = ""):
+    """Build the wheel from a copy of the checkout, install it without -e (``[extras]``
+    when given) into a fresh venv at the versions in constraints.txt; the venv's path."""
     source = copy_checkout(str(tmp_path / "src"))  # build outside the checkout
     dist = tmp_path / "dist"
     subprocess.run(
@@ -68,11 +75,32 @@ def test_wheel_installs_and_runs_the_readme_api(tmp_path):
     (wheel,) = glob.glob(str(dist / "sbm_jax-*.whl"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
     constraints = os.path.join(REPO, "constraints.txt")
+    requirement = f"{wheel}[{extras}]" if extras else wheel
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "-c", constraints, wheel], check=True, cwd=tmp_path
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-c",
+            constraints,
+            requirement,
+        ],
+        check=True,
+        cwd=tmp_path,
+        env=_clean_env(),
     )
+    return venv
+
+
+@pytest.mark.slow  # ~2-4 min: builds the wheel, installs ~30 packages, JAX compiles
+def test_wheel_installs_and_runs_the_readme_api(tmp_path):
+    import json
+
+    venv = _install_wheel(tmp_path)
+    python = str(venv / "bin" / "python")
     subprocess.run([python, "-m", "pip", "check"], check=True)
 
     installed = subprocess.run(
@@ -88,8 +116,7 @@ def test_wheel_installs_and_runs_the_readme_api(tmp_path):
 
     snippet = tmp_path / "snippet.py"
     snippet.write_text(readme_api_snippet())
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = _clean_env()
     run = subprocess.run(
         [python, "-c", CHECK, str(snippet)],
         cwd=tmp_path,  # not the checkout: sbm_jax must come from the wheel
@@ -112,34 +139,8 @@ def test_wheel_installs_and_runs_the_readme_api(tmp_path):
 def test_installed_wheel_trains_through_the_console_command(tmp_path):
     import json
 
-    source = copy_checkout(str(tmp_path / "src"))
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), source],
-        check=True,
-    )
-    (wheel,) = glob.glob(str(dist / "sbm_jax-*.whl"))
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    constraints = os.path.join(REPO, "constraints.txt")
-    # No PYTHONPATH: a checkout on it (with its egg-info) would count as sbm-jax installed.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JAX_PLATFORMS"] = "cpu"
-    subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "-c",
-            constraints,
-            f"{wheel}[train]",
-        ],
-        check=True,
-        cwd=tmp_path,
-        env=env,
-    )
+    venv = _install_wheel(tmp_path, "train")
+    env = _clean_env()
     assert os.access(venv / "bin" / "sbm-lra-prepare", os.X_OK)
     work = tmp_path / "elsewhere"  # not the checkout: the presets come from the wheel
     work.mkdir()
