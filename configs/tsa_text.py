@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import ml_collections
 
+from configs import presets
 from configs.lra import common
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """``arg`` = "[paper|reduced|smoke][,seed=N]" (the LRA presets; the mechanism is TSA)."""
-    parts = [p for p in (arg or "").replace(" ", "").split(",") if p]
-    config = common.base_config("text", ",".join(["tsa", *parts]))
+    preset = presets.parse_preset(
+        arg,
+        mechanisms=("tsa",),
+        scales=common.SCALES,
+        keys=("lambda", "seed"),
+        default_mechanism="tsa",
+    )
+    config = common.base_config("text", preset)
     config.name = config.name.replace("lra_text_tsa", "tsa_text")  # run name
     model = config.model
     model.architecture = "tsa_classifier"  # the TSA paper's classifier, not the encoder
@@ -30,8 +37,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     model.classifier_dim = 20  # units of the relu dense layer (TSA paper: 20)
     model.dropout = 0.1  # both dropout layers (TSA paper: 0.1)
     model.attention_dropout = 0.0  # TSA has no attention weights to drop
-    model.attention_options = ml_collections.ConfigDict()
-    model.attention_options.damping = 0.9  # c in Omega = c^|l1 - l2| (docs/tsa.md)
-    model.attention_options.projection = "tt"  # "tt" (MPO layers, QTT) or "dense"
-    model.attention_options.tt_rank = 2  # TT ranks R_n (QTT: 2)
+    # TSA's options, the TSA paper's values (configs/presets.py: OPTIONS["tsa"]).
+    model.attention_options = presets.attention_options(
+        "tsa", preset.scale, model.max_len, fields=("damping", "projection", "tt_rank")
+    )
     return config

@@ -119,3 +119,95 @@ def test_output_dir_that_cannot_be_created_names_output_dir(tmp_path):
         prepare_output_dir(str(blocker / "run"))
     made = prepare_output_dir(str(tmp_path / "a" / "b"))
     assert os.path.isdir(made)
+
+
+SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "config_presets.json")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty section stays ``{}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _snapshot_configs(module_entries: dict) -> dict:
+    """Each preset's flat config: the fixture stores one base per module (key "") and,
+    per preset, the changes from the entry named in "from" ("-": keys removed)."""
+    flat = {"": module_entries[""]}
+    for arg, entry in module_entries.items():
+        if arg:
+            changes = {k: v for k, v in entry.items() if k not in ("from", "-")}
+            ref = flat[entry["from"]]
+            flat[arg] = {k: v for k, v in ref.items() if k not in entry.get("-", ())} | changes
+    return flat
+
+
+def test_every_preset_resolves_as_before_the_shared_table():
+    """get_config(arg).to_dict() of every config module, for every mechanism x scale and
+    some lambda / seed / task cases, equals the snapshot taken from main at 70cb55a,
+    before the three preset parsers and option tables became configs/presets.py."""
+    import importlib
+    import json
+
+    with open(SNAPSHOT, encoding="utf-8") as f:
+        snapshot = json.load(f)
+    assert len(snapshot) == 9
+    for module_name, entries in snapshot.items():
+        module = importlib.import_module(module_name)
+        for arg, expected in _snapshot_configs(entries).items():
+            got = _flatten(module.get_config(arg or None).to_dict())
+            # json.dumps per value: 0 and 0.0, 1 and True stay different.
+            assert {k: json.dumps(v) for k, v in got.items()} == {
+                k: json.dumps(v) for k, v in expected.items()
+            }, f"{module_name}:{arg}"
+
+
+def test_preset_errors_name_the_bad_part_and_the_choices():
+    from configs import presets
+    from configs.glue import finetune, pretrain
+    from configs.lra import listops
+    from configs.tsa_text import get_config as tsa_config
+
+    with pytest.raises(ValueError, match=r"unknown preset 'bogus' in 'full,bogus'; .*'quick'"):
+        synthetic_config.get_config("full,bogus")
+    with pytest.raises(ValueError, match="unknown preset 'seed=1'"):
+        synthetic_config.get_config("seed=1")  # the synthetic presets take no seed
+    with pytest.raises(ValueError, match=r"'task=sst2'.*scales \('paper', 'smoke'\)$"):
+        pretrain.get_config("sbm,task=sst2")
+    assert finetune.get_config("full,smoke,task=qnli").task.name == "glue_qnli"
+    with pytest.raises(ValueError, match=r"unknown preset 'reduced'.*task=<name>"):
+        finetune.get_config("reduced")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        listops.get_config("seed=1.5")
+    with pytest.raises(ValueError, match="lambda must be >= 0"):
+        listops.get_config("lambda=-1")
+    with pytest.raises(ValueError, match=r"unknown preset 'full'.*mechanisms \('tsa',\)"):
+        tsa_config("full,smoke")
+    with pytest.raises(ValueError, match="unknown scale 'quick'"):
+        presets.attention_options("sbm", "quick", 64)
+    with pytest.raises(ValueError, match=r"no options \['window'\]"):
+        presets.attention_options("performer", "paper", 64, fields=("window",))
+    with pytest.raises(ValueError, match=r"overrides \['window'\]"):
+        presets.attention_options("sbm", "paper", 64, window=3)  # window is not shown
+
+
+def test_option_table_scales_inherit_and_follow_the_length():
+    from configs import presets
+
+    sbm = presets.OPTIONS["sbm"]
+    assert [sbm["num_clusters"].at(s, 100) for s in presets.SCALES] == [128, 128, 8, 4]
+    assert [sbm["dense_below"].at(s, 100) for s in presets.SCALES] == [0, 100 * 100, 0, 0]
+    assert presets.attention_options("linformer", "smoke", 48).to_dict() == {
+        "proj_len": 8,
+        "max_len": 48,
+    }
+    poisson = presets.attention_options("sbm_poisson", "paper", 64, edge_law="bernoulli")
+    assert poisson.edge_law == "bernoulli"  # an explicit override beats the variant's value
+    assert presets.attention_options("sbm_poisson", "paper", 64).edge_law == "poisson"
+    assert presets.registry_name("sbm_nowindow") == "sbm"
+    assert presets.attention_options("full", "smoke", 8).to_dict() == {}

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import ml_collections
 
+from configs.glue.common import model_config, parse
 from glue.data import get_task_spec
-from glue.presets import model_config, parse_preset
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """Config for ``arg`` = "[mechanism][,paper|smoke][,task=NAME]"."""
-    mechanism, size, task = parse_preset(arg, allow_task=True)
-    task = task or "sst2"
+    preset = parse(arg, allow_task=True)
+    mechanism, size, task = preset.mechanism, preset.scale, preset.task or "sst2"
     spec = get_task_spec(task)
     smoke = size == "smoke"
     config = ml_collections.ConfigDict()

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from glue.presets import model_config, parse_preset
+from configs.glue.common import model_config, parse
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """Config for ``arg`` = "[mechanism][,paper|smoke]"."""
-    mechanism, size, _ = parse_preset(arg, allow_task=False)
+    preset = parse(arg, allow_task=False)
+    mechanism, size = preset.mechanism, preset.scale
     smoke = size == "smoke"
     config = ml_collections.ConfigDict()
     config.name = f"glue_pretrain_{mechanism}" + ("_smoke" if smoke else "")  # run name

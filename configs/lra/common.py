@@ -14,6 +14,9 @@ Preset syntax after the colon, comma-separated, in any order:
   python scripts/train.py --config=configs/lra/image.py:sbm,lambda=1e-2 --config.seed=1
   python scripts/train.py --config=configs/lra/listops.py:full,smoke
 
+The parser and each mechanism's options per scale are shared with the other configs
+(``configs/presets.py``).
+
 Sources of the ``paper`` numbers: model and optimisation sizes are the SBM-Transformer
 appendix Table 7 (layers, heads, widths, sequence length, dropout, pooling, batch size,
 learning rate, steps) and its caption (128 clusters, 2 hashes, 256 landmarks / features /
@@ -32,9 +35,10 @@ import dataclasses
 
 import ml_collections
 
+from configs import presets
 from lra import tasks as lra_tasks
 
-SCALES = ("paper", "reduced", "smoke")
+SCALES = ("paper", "reduced", "smoke")  # the LRA presets' scales (the first: the default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,82 +63,20 @@ REFERENCE_TRAINING: dict[str, PaperTask] = {
 }
 
 
-def parse_preset(arg: str | None) -> tuple[str, str, float, int]:
-    """``"sbm,smoke,lambda=1e-2,seed=1"`` -> (mechanism, scale, lambda, seed).
+def parse(arg: str | None) -> presets.Preset:
+    """``"sbm,smoke,lambda=1e-2,seed=1"`` -> Preset(mechanism, scale, lam, seed).
 
     Raises:
       ValueError naming the bad part and the valid choices.
     """
     from sbm_jax.attention import available
 
-    mechanisms = available()
-    mechanism, scale, lam, seed = "sbm", "paper", 0.0, 0
-    for part in (arg or "").replace(" ", "").split(","):
-        if not part:
-            continue
-        if part in mechanisms:
-            mechanism = part
-        elif part in SCALES:
-            scale = part
-        elif part.startswith("lambda="):
-            try:
-                lam = float(part.split("=", 1)[1])
-            except ValueError:
-                raise ValueError(f"preset {part!r}: lambda must be a number") from None
-            if lam < 0:
-                raise ValueError(f"preset {part!r}: lambda must be >= 0")
-        elif part.startswith("seed="):
-            try:
-                seed = int(part.split("=", 1)[1])
-            except ValueError:
-                raise ValueError(f"preset {part!r}: seed must be an integer") from None
-        else:
-            raise ValueError(
-                f"unknown preset {part!r} in {arg!r}; mechanisms {mechanisms}, scales {SCALES}, "
-                "or lambda=<float>, seed=<int>"
-            )
-    return mechanism, scale, lam, seed
+    return presets.parse_preset(arg, mechanisms=available(), scales=SCALES, keys=("lambda", "seed"))
 
 
-def attention_options(mechanism: str, seq_len: int, scale: str) -> ml_collections.ConfigDict:
-    """``model.attention_options`` of ``mechanism`` for inputs of ``seq_len`` tokens.
-
-    Paper: k=128 clusters (SBM), 256 landmarks (Nystromformer), 256 random features
-    (Performer), projection length 256 (Linformer), 2 hashing rounds (Reformer); the
-    other mechanisms keep their module defaults. ``smoke`` shrinks the sizes.
-    """
-    small = scale == "smoke"
-    o = ml_collections.ConfigDict()
-    if mechanism == "sbm":
-        o.num_clusters = 8 if small else 128  # k, clusters per head (paper: 128)
-        o.delta = 0.01  # exploration probability added to every pair (training only)
-        o.edge_law = "bernoulli"  # edge law: "bernoulli" (the paper's model) or "poisson"
-        o.self_loops = False  # the "+I" variant fixes (i, i) edges (paper Table 1 reports both)
-        o.impl = "dense" if small else "auto"  # "auto", "sparse" or "dense" graph path
-        # "auto" takes the dense path when length**2 <= dense_below; at the reduced scale
-        # (CPU runs, n <= 1024) dense is the faster path there; the graph law is the same.
-        o.dense_below = seq_len * seq_len if scale == "reduced" else 0
-        o.cluster_init = "paper"  # cluster-embedding init: kaiming normal (paper appendix C)
-        o.ste = "paper"  # mask estimator: "paper" (eq. 9) or "reference" (released code)
-    elif mechanism == "nystromformer":
-        o.num_landmarks = 4 if small else 256  # landmarks (paper: 256)
-        o.conv_kernel_size = 3 if small else 35  # depthwise conv on values (reference: 35)
-    elif mechanism == "performer":
-        o.num_features = 16 if small else 256  # random features (paper: 256)
-    elif mechanism == "linformer":
-        o.proj_len = 8 if small else 256  # projected length (paper: 256)
-        o.max_len = seq_len  # length of the E/F projections = the task's padded length
-    elif mechanism == "reformer":
-        o.num_hashes = 2  # hashing rounds (paper: 2)
-        o.chunk_len = 8 if small else 64  # LSH chunk length (reference: 64)
-    elif mechanism == "local":
-        o.window = 8 if small else 64  # attention window (module default 64)
-    return o
-
-
-def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
-    """The full config of LRA ``task`` for the preset string ``arg``."""
-    mechanism, scale, lam, seed = parse_preset(arg)
+def base_config(task: str, preset: presets.Preset) -> ml_collections.ConfigDict:
+    """The full config of LRA ``task`` for ``preset`` (``parse(arg)``)."""
+    mechanism, scale, lam, seed = preset.mechanism, preset.scale, preset.lam, preset.seed
     spec = lra_tasks.get_task(task)
     ref = REFERENCE_TRAINING[task]
     seq_len = {"paper": ref.seq_len, "reduced": ref.reduced_seq_len, "smoke": 32}[scale]
@@ -182,7 +124,8 @@ def base_config(task: str, arg: str | None) -> ml_collections.ConfigDict:
     config.model.num_classes = spec.num_classes  # Table 7: 10 / 2 / 2 / 10 / 2
     config.model.dtype = "float32"  # compute dtype: float32 or bfloat16
     config.model.attention = mechanism  # registry name of the attention mechanism
-    config.model.attention_options = attention_options(mechanism, seq_len, scale)
+    # That mechanism's own options (configs/presets.py: OPTIONS at this scale).
+    config.model.attention_options = presets.attention_options(mechanism, scale, seq_len)
 
     config.train = ml_collections.ConfigDict()
     config.train.batch_size = ref.batch_size  # global batch per optimizer step (Table 7)

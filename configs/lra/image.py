@@ -16,5 +16,6 @@ from configs.lra import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The Image config for the preset string `arg` (see configs/lra/common.py)."""
-    config = common.base_config("image", arg)
+    preset = common.parse(arg)
+    config = common.base_config("image", preset)
     return config

@@ -16,14 +16,14 @@ from configs.lra import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The Listops config for the preset string `arg` (see configs/lra/common.py)."""
-    config = common.base_config("listops", arg)
-    scale = common.parse_preset(arg)[1]
-    if scale == "paper":
+    preset = common.parse(arg)
+    config = common.base_config("listops", preset)
+    if preset.scale == "paper":
         config.task.source = "generated"  # our generator (lra.prepare's default listops data)
         config.task.generate = ml_collections.ConfigDict(
             {"num_train": 96_000, "num_validation": 2_000, "num_test": 2_000}  # as LRA
         )
-    elif scale == "reduced":
+    elif preset.scale == "reduced":
         config.task.source = "generated"  # CPU scale: 4,000 / 500 / 500, 128 < length < 512
         config.task.generate = ml_collections.ConfigDict(
             {
@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 "max_length": 512,
             }
         )
-    elif scale == "smoke":
+    elif preset.scale == "smoke":
         config.task.source = "generated"  # a few dozen short expressions, made in < 1 s
         config.task.generate = ml_collections.ConfigDict(
             {

@@ -16,13 +16,13 @@ from configs.lra import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The Pathfinder config for the preset string `arg` (see configs/lra/common.py)."""
-    config = common.base_config("pathfinder", arg)
-    scale = common.parse_preset(arg)[1]
+    preset = common.parse(arg)
+    config = common.base_config("pathfinder", preset)
     config.task.source = "generated"  # our generator (lra.prepare's default pathfinder data)
     config.task.generate = ml_collections.ConfigDict({"difficulty": "hard"})  # 160k/20k/20k
-    if scale == "reduced":
+    if preset.scale == "reduced":
         config.task.generate.update({"num_train": 4_000, "num_validation": 500, "num_test": 500})
-    elif scale == "smoke":
+    elif preset.scale == "smoke":
         # easy contours draw ~3x faster than hard ones: 48 images take a couple of seconds
         config.task.generate = ml_collections.ConfigDict(
             {"difficulty": "easy", "num_train": 32, "num_validation": 8, "num_test": 8}

@@ -16,8 +16,8 @@ from configs.lra import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The Retrieval config for the preset string `arg` (see configs/lra/common.py)."""
-    config = common.base_config("retrieval", arg)
-    scale = common.parse_preset(arg)[1]
-    if scale != "smoke":
+    preset = common.parse(arg)
+    config = common.base_config("retrieval", preset)
+    if preset.scale != "smoke":
         config.task.data_config = "bytes4096"  # lra.prepare --task=retrieval (paper: 4096)
     return config

@@ -16,9 +16,9 @@ from configs.lra import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """The Text config for the preset string `arg` (see configs/lra/common.py)."""
-    config = common.base_config("text", arg)
-    scale = common.parse_preset(arg)[1]
-    if scale != "smoke":
+    preset = common.parse(arg)
+    config = common.base_config("text", preset)
+    if preset.scale != "smoke":
         # lra.prepare --task=text builds bytes3072 (the paper's 3072); shorter cuts read it too
         config.task.data_config = "bytes3072"
     return config

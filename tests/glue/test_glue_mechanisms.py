@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from glue.presets import MECHANISMS
+from configs.glue.common import MECHANISMS
 from tests.glue.conftest import ROOT
 from tests.glue.test_glue_end_to_end import run_train
 
