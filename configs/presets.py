@@ -145,7 +145,7 @@ OPTIONS: dict[str, dict[str, Scaled]] = {
         "self_loops": Scaled(False),  # add (i, i) for every real token (the "+I" theory variant)
         "shared_mlp": Scaled(False, shown=False),  # one query/key MLP for all heads vs per head
         # Local window unioned with the sampled graph, |i - j| <= window // 2 (paper GLUE: 64).
-        "window": Scaled(64, smoke=8, glue_smoke=4, shown=False),
+        "window": Scaled(64, glue_smoke=4, shown=False),
         "impl": Scaled("auto", smoke="dense"),  # "auto", "sparse" (edge lists) or "dense" path
         # "auto" takes the dense path when length**2 <= dense_below; at the reduced scale
         # (CPU runs) dense is the faster path, so it takes it; the graph law is the same.
