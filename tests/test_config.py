@@ -211,3 +211,39 @@ def test_option_table_scales_inherit_and_follow_the_length():
     assert presets.attention_options("sbm_poisson", "paper", 64).edge_law == "poisson"
     assert presets.registry_name("sbm_nowindow") == "sbm"
     assert presets.attention_options("full", "smoke", 8).to_dict() == {}
+
+
+def _diff(flat: dict, ref: dict) -> dict:
+    """The fixture's form of ``flat`` relative to ``ref`` (see ``_snapshot_configs``)."""
+    changes = {k: v for k, v in flat.items() if k not in ref or ref[k] != v}
+    removed = sorted(k for k in ref if k not in flat)
+    return changes | ({"-": removed} if removed else {})
+
+
+def write_snapshot(path: str = SNAPSHOT) -> None:
+    """Rewrite the fixture from the configs as they are now, for the presets it lists
+    (after a deliberate config change: ``python -m tests.test_config``). Each preset is
+    stored as its changes from whichever earlier entry it differs least from."""
+    import importlib
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        listed = {module: [a for a in entries if a] for module, entries in json.load(f).items()}
+    blocks = []
+    for module_name, args in listed.items():
+        module = importlib.import_module(module_name)
+        done = {"": _flatten(module.get_config().to_dict())}
+        lines = [f'  "": {json.dumps(done[""], sort_keys=True)}']
+        for arg in args:
+            flat = _flatten(module.get_config(arg).to_dict())
+            ref = min(done, key=lambda r: len(json.dumps(_diff(flat, done[r]))))
+            entry = _diff(flat, done[ref]) | {"from": ref}
+            lines.append(f"  {json.dumps(arg)}: {json.dumps(entry, sort_keys=True)}")
+            done[arg] = flat
+        blocks.append(f" {json.dumps(module_name)}: {{\n" + ",\n".join(lines) + "\n }")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("{\n" + ",\n".join(blocks) + "\n}\n")
+
+
+if __name__ == "__main__":
+    write_snapshot()
