@@ -18,7 +18,7 @@ Contract every registered mechanism keeps (the encoder relies on it):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -85,7 +85,7 @@ class Mechanism:
         self,
         options: Mapping[str, Any] | None,
         *,
-        given: Any = (),
+        given: Collection[str] = (),
         field: str = "model.attention_options",
     ) -> dict[str, Any]:
         """``options`` as a dict, after checking each name is a field of the module.
@@ -106,7 +106,10 @@ class Mechanism:
     def resolve_options(
         self, options: Mapping[str, Any] | None, *, field: str = "model.attention_options"
     ) -> dict[str, Any]:
-        """The option defaults overridden by ``options`` (checked as in :meth:`check_options`)."""
+        """The option defaults overridden by ``options`` (checked as in :meth:`check_options`).
+
+        The shape fields ``num_heads``, ``head_dim`` and ``out_dim`` are not options here.
+        """
         given = ("num_heads", "head_dim", "out_dim")
         return {**self.option_defaults(), **self.check_options(options, given=given, field=field)}
 
