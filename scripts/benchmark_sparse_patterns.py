@@ -50,7 +50,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sbm_jax.attention import get_attention  # noqa: E402
-from sbm_jax.attention.sparse_patterns import default_summary_cells  # noqa: E402
+from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
 
 GIB = 2**30
 TARGET_N, GROWTH_FROM, GROWTH_TO = 4096, 4096, 16384
@@ -93,7 +93,7 @@ def core_fwd_bwd(kind: str, n: int, c: int | None, chunk: int, b: int, h: int, d
     wrt q, k, v, with ``chunk_elements=chunk`` (0: one chunk, i.e. unchunked)."""
     from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
 
-    stride = max(1, round(n**0.5))
+    stride = default_stride(n)
     c = default_summary_cells(stride) if c is None else c
     q, k, v, g = (
         jax.random.normal(key, (b, n, h, d)) for key in jax.random.split(jax.random.key(0), 4)
@@ -290,7 +290,7 @@ def markdown(report: dict[str, Any]) -> str:
     for r in res:
         full = _find(res, r["n"], "full")
         mask = _find(res, r["n"], r["layer"].split()[0] + " mask") if r["name"] != "full" else None
-        stride = round(r["n"] ** 0.5) if r["name"] != "full" else None
+        stride = default_stride(r["n"]) if r["name"] != "full" else None
         c = (
             r["options"].get("c", default_summary_cells(stride))
             if r["name"] == "sparse_fixed"

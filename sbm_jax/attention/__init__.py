@@ -1,14 +1,28 @@
 """Attention mechanisms, each registered by the name configs use."""
 
 from sbm_jax.attention.registry import (
+    COMMON_FIELDS,
     STATS_COLLECTION,
+    Mechanism,
     available,
     build_attention,
     get_attention,
+    get_mechanism,
+    option_defaults,
     register,
 )
 
-__all__ = ["STATS_COLLECTION", "available", "build_attention", "get_attention", "register"]
+__all__ = [
+    "COMMON_FIELDS",
+    "STATS_COLLECTION",
+    "Mechanism",
+    "available",
+    "build_attention",
+    "get_attention",
+    "get_mechanism",
+    "option_defaults",
+    "register",
+]
 from sbm_jax.attention import (
     full,  # noqa: F401
     linear,  # noqa: F401

@@ -13,6 +13,7 @@ regulariser adds nothing to full attention's gradient.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import chex
@@ -20,12 +21,32 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
 Array = jax.Array
 
 
-@register("full")
+def full_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head ``scale nd``, ``scores 2n^2 d``, ``softmax 5n^2``,
+    ``aggregation 2n^2 d``."""
+    return {
+        **projection_flops(n, D, H, d),
+        "scale": H * n * d,
+        "scores": H * 2.0 * n * n * d,
+        "softmax": H * SOFTMAX * n * n,
+        "aggregation": H * 2.0 * n * n * d,
+    }
+
+
+def full_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections with biases."""
+    return projection_params(D, H, d)
+
+
+@register("full", flops=full_flops, params=full_params)
 class FullAttention(nn.Module):
     """Multi-head softmax attention over all real tokens.
 

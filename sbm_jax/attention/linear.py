@@ -14,6 +14,7 @@ paper and in the LRA reference code).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import check_inputs, compute_dtype, project_out, project_qkv
+from sbm_jax.attention.counting import projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
 Array = jax.Array
@@ -54,7 +56,27 @@ def linear_attention(q: Array, k: Array, v: Array, mask: Array, eps: float = 1e-
     return numerator / (denominator[..., None] + eps)
 
 
-@register("linear")
+def linear_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head ``feature_map 2 * 3nd`` (elu, +1 on Q and K), ``kv 2nd^2``,
+    ``normaliser nd + 2nd`` (key sum, phi(Q) . sum), ``aggregation 2nd^2``, ``divide nd``."""
+    return {
+        **projection_flops(n, D, H, d),
+        "feature_map": H * 2 * 3.0 * n * d,
+        "kv": H * 2.0 * n * d * d,
+        "normaliser": H * (n * d + 2.0 * n * d),
+        "aggregation": H * 2.0 * n * d * d,
+        "divide": H * n * d,
+    }
+
+
+def linear_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections with biases."""
+    return projection_params(D, H, d)
+
+
+@register("linear", flops=linear_flops, params=linear_params)
 class LinearAttention(nn.Module):
     """Linear Transformer attention with the elu(x)+1 feature map.
 

@@ -15,6 +15,7 @@ scaling (the LRA reference code uses N(0, 0.02^2) and one matrix for K and V; se
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -29,6 +30,7 @@ from sbm_jax.attention._projections import (
     project_out,
     project_qkv,
 )
+from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
 Array = jax.Array
@@ -58,7 +60,36 @@ def linformer_values(v: Array, mask: Array, proj_v: Array) -> Array:
     return jnp.einsum("bnhd,nk->bkhd", v, proj_v.astype(v.dtype))
 
 
-@register("linformer")
+def linformer_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head, k = ``proj_len``: ``sequence_projection 2 * 2nkd`` (E^T K,
+    F^T V), ``scale nd``, ``scores 2nkd``, ``softmax 5nk``, ``aggregation 2nkd``."""
+    k = int(options["proj_len"])
+    return {
+        **projection_flops(n, D, H, d),
+        "sequence_projection": H * 2 * 2.0 * n * k * d,
+        "scale": H * n * d,
+        "scores": H * 2.0 * n * k * d,
+        "softmax": H * SOFTMAX * n * k,
+        "aggregation": H * 2.0 * n * k * d,
+    }
+
+
+def linformer_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections, plus E and F (one with ``share_kv``) ``[max_len, k]``."""
+    sequence = int(options["max_len"]) * int(options["proj_len"])
+    return projection_params(D, H, d) + sequence * (1 if options["share_kv"] else 2)
+
+
+def linformer_length(n: int) -> dict[str, Any]:
+    """E and F cover the task's padded length: ``max_len = n``."""
+    return {"max_len": n}
+
+
+@register(
+    "linformer", flops=linformer_flops, params=linformer_params, length_options=linformer_length
+)
 class LinformerAttention(nn.Module):
     """Linformer attention with sequence-length projections E, F [max_len, proj_len].
 

@@ -12,12 +12,14 @@ so each block attends to 3b keys and the band mask is applied inside that window
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.masked import masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
@@ -118,7 +120,31 @@ def local_attention(
     return out, edges
 
 
-@register("local")
+def local_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head, ``r = window // 2``, blocks ``b = max(1, min(r, n))``,
+    ``nb = ceil(n / b)``, ``kw = 3b`` keys per block (``b`` when ``nb = 1``): ``scale nd``,
+    ``scores 2 nb b kw d``, ``softmax 5 nb b kw``, ``aggregation 2 nb b kw d``."""
+    r = int(options["window"]) // 2
+    b = max(1, min(r, n))
+    nb = -(-n // b)
+    kw = 3 * b if nb > 1 else b
+    return {
+        **projection_flops(n, D, H, d),
+        "scale": H * n * d,
+        "scores": H * 2.0 * nb * b * kw * d,
+        "softmax": H * SOFTMAX * nb * b * kw,
+        "aggregation": H * 2.0 * nb * b * kw * d,
+    }
+
+
+def local_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections with biases."""
+    return projection_params(D, H, d)
+
+
+@register("local", flops=local_flops, params=local_params)
 class LocalAttention(nn.Module):
     """Sliding-window attention: |i - j| <= window // 2 (``causal`` adds j <= i)."""
 

@@ -27,7 +27,7 @@ softmax attention (once the pseudo-inverse has converged).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -43,6 +43,7 @@ from sbm_jax.attention._projections import (
     project_out,
     project_qkv,
 )
+from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
 Array = jax.Array
@@ -145,7 +146,37 @@ def nystrom_attention(
     return jnp.swapaxes(out, 1, 2)
 
 
-@register("nystromformer")
+def nystromformer_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head, ``s = ceil(n / L)``, ``m = ceil(n / s)`` landmarks:
+    ``scale 2nd``; ``landmarks 2(nd + md)`` (segment sums and means of Q and K);
+    ``scores 2nmd + 2m^2 d + 2mnd`` (three kernels); ``softmax 5(nm + m^2 + mn)``;
+    ``pinv 3m^2 + I (10 m^3 + 4 m^2)`` (I iterations, 5 products each);
+    ``aggregation 2mnd + 2m^2 d + 2nmd`` (right to left); ``conv 2ndK`` (depthwise skip,
+    kernel K, 0 when off)."""
+    segment = -(-n // int(options["num_landmarks"]))
+    m = -(-n // segment)
+    iters = int(options["pinv_iterations"])
+    conv = int(options["conv_kernel_size"])
+    return {
+        **projection_flops(n, D, H, d),
+        "scale": H * 2.0 * n * d,
+        "landmarks": H * 2.0 * (n * d + m * d),
+        "scores": H * (2.0 * n * m * d + 2.0 * m * m * d + 2.0 * m * n * d),
+        "softmax": H * SOFTMAX * (n * m + m * m + m * n),
+        "pinv": H * (3.0 * m * m + iters * (10.0 * m**3 + 4.0 * m * m)),
+        "aggregation": H * (2.0 * m * n * d + 2.0 * m * m * d + 2.0 * n * m * d),
+        "conv": H * 2.0 * n * d * conv,
+    }
+
+
+def nystromformer_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections, plus the depthwise value conv (K taps per head)."""
+    return projection_params(D, H, d) + H * int(options["conv_kernel_size"])
+
+
+@register("nystromformer", flops=nystromformer_flops, params=nystromformer_params)
 class NystromformerAttention(nn.Module):
     """Nystromformer attention with segment-mean landmarks.
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -47,6 +48,7 @@ from sbm_jax.attention._projections import (
     project_out,
     project_qkv,
 )
+from sbm_jax.attention.counting import projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
 Array = jax.Array
@@ -155,7 +157,38 @@ def favor_attention(
     return numerator / safe
 
 
-@register("performer")
+def performer_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head, m = ``num_features``: ``scale 2nd``; ``feature_map 2 * 2ndm``
+    (x W^T for Q, K) plus, per entry of the 2 nm features, 4 (softmax kernel: -|x|^2/2,
+    -shift, exp, +eps, ``*1/sqrt(m)``; 2nd for the norms) or 3 (relu kernel: relu, +eps,
+    scale); ``random_features`` (orthogonal: QR ``4/3 d^3`` per block of d rows, once);
+    ``kv 2nmd``; ``normaliser nm + 2nm``; ``aggregation 2nmd``; ``divide nd``."""
+    m = int(options["num_features"])
+    softmax = options["kernel"] == "softmax"
+    per_feature = 4.0 if softmax else 3.0
+    norms = 2 * 2.0 * n * d if softmax else 0.0
+    blocks = -(-m // d)
+    random_features = blocks * (4.0 / 3.0) * d**3 if options["orthogonal"] else 0.0
+    return {
+        **projection_flops(n, D, H, d),
+        "scale": H * 2.0 * n * d,
+        "feature_map": H * (2 * 2.0 * n * d * m + 2 * per_feature * n * m + norms),
+        "random_features": random_features,
+        "kv": H * 2.0 * n * m * d,
+        "normaliser": H * (n * m + 2.0 * n * m),
+        "aggregation": H * 2.0 * n * m * d,
+        "divide": H * n * d,
+    }
+
+
+def performer_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections (the random features are not parameters)."""
+    return projection_params(D, H, d)
+
+
+@register("performer", flops=performer_flops, params=performer_params)
 class PerformerAttention(nn.Module):
     """FAVOR+ attention (Performer).
 

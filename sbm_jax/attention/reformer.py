@@ -24,12 +24,15 @@ Memory and time are O(n * chunk_len) per head and round, plus the O(n log n) sor
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
 Array = jax.Array
@@ -168,7 +171,40 @@ def lsh_attention(
     return jnp.moveaxis(combined, 1, 2)  # [B, n, H, dv]
 
 
-@register("reformer")
+def reformer_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections (2 inputs: shared QK and V); per head, rounds R, chunk
+    ``c = min(chunk_len, n)``, ``nc = ceil(n / c)`` chunks, ``w = 2c`` keys per chunk (``c``
+    when ``nc = 1``), b buckets: ``hashing R (2nd b/2 + nb)`` (0 when b = 1);
+    ``key_norm 3nd``; ``sort R n log2 n``; ``scores R 2 nc c w d``; ``softmax R 5 nc c w``;
+    ``aggregation R 2 nc c w d``; ``combine_rounds 5nR + 2nRd``."""
+    rounds = int(options["num_hashes"])
+    c = min(int(options["chunk_len"]), n)
+    nc = -(-n // c)
+    w = 2 * c if nc > 1 else c
+    buckets = options["num_buckets"]
+    if buckets is None:
+        buckets = default_num_buckets(n, int(options["chunk_len"]))
+    hashing = 0.0 if buckets == 1 else rounds * (2.0 * n * d * buckets / 2 + n * buckets)
+    return {
+        **projection_flops(n, D, H, d, inputs=2),
+        "hashing": H * hashing,
+        "key_norm": H * 3.0 * n * d,
+        "sort": H * rounds * n * math.log2(max(n, 2)),
+        "scores": H * rounds * 2.0 * nc * c * w * d,
+        "softmax": H * rounds * SOFTMAX * nc * c * w,
+        "aggregation": H * rounds * 2.0 * nc * c * w * d,
+        "combine_rounds": H * (SOFTMAX * n * rounds + 2.0 * n * rounds * d),
+    }
+
+
+def reformer_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Shared QK, V and output projections with biases (the rotations are not parameters)."""
+    return projection_params(D, H, d, inputs=2)
+
+
+@register("reformer", flops=reformer_flops, params=reformer_params)
 class ReformerAttention(nn.Module):
     """LSH self-attention with shared QK (see the module docstring for the algorithm).
 

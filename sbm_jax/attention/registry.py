@@ -17,23 +17,130 @@ Contract every registered mechanism keeps (the encoder relies on it):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
 
 import flax.linen as nn
 
 STATS_COLLECTION = "attention_stats"
 
-_REGISTRY: dict[str, type[nn.Module]] = {}
+#: Constructor fields every mechanism takes from the encoder (the contract above); the
+#: rest of its dataclass fields are its options.
+COMMON_FIELDS = ("num_heads", "head_dim", "out_dim", "attention_dropout", "dtype")
+_FLAX_FIELDS = ("parent", "name")
 
 
-def register(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
-    """Class decorator that registers an attention module under ``name``."""
+class FlopsFn(Protocol):
+    """Analytic FLOPs of one layer on one example: ``{op: flops}``, projections included.
+
+    ``n, D, H, d``: length, model width, heads, head width; ``options``: every option of
+    the mechanism (defaults filled in); ``density``: SBM's sampled fraction of the n^2
+    pairs (None: 1.0), ignored by the others. Conventions: ``sbm_jax.analysis.flops``.
+    """
+
+    def __call__(
+        self, n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+    ) -> dict[str, float]: ...
+
+
+class ParamsFn(Protocol):
+    """Analytic parameter count of one layer for inputs ``[*, n, D]`` (see ``FlopsFn``)."""
+
+    def __call__(self, n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """What is known about one registered attention mechanism.
+
+    Attributes:
+      name: the name configs use (``model.attention``).
+      module: the ``flax.linen.Module`` class (the contract above).
+      flops: its analytic FLOPs (:class:`FlopsFn`), or None if it has no formula.
+      params: its analytic parameter count (:class:`ParamsFn`), or None.
+      length_options: options a task sizes to its padded length ``n`` (e.g. Linformer's
+        ``max_len``), or None.
+    """
+
+    name: str
+    module: type[nn.Module]
+    flops: FlopsFn | None = None
+    params: ParamsFn | None = None
+    length_options: Callable[[int], dict[str, Any]] | None = None
+
+    def option_defaults(self) -> dict[str, Any]:
+        """``{option: default}`` from the module's dataclass fields (common fields left out)."""
+        defaults = {}
+        for key, field in _fields(self.module).items():
+            if key in _FLAX_FIELDS or key in COMMON_FIELDS:
+                continue
+            if field.default is not dataclasses.MISSING:
+                defaults[key] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                defaults[key] = field.default_factory()
+        return defaults
+
+    def check_options(
+        self,
+        options: Mapping[str, Any] | None,
+        *,
+        given: Collection[str] = (),
+        field: str = "model.attention_options",
+    ) -> dict[str, Any]:
+        """``options`` as a dict, after checking each name is a field of the module.
+
+        ``given`` are the fields passed besides the options (they cannot be options too);
+        an unknown name fails with a ValueError naming ``<field>.<option>``.
+        """
+        options = dict(options or {})
+        known = set(_fields(self.module)) - set(_FLAX_FIELDS) - set(given)
+        for key in options:
+            if key not in known:
+                raise ValueError(
+                    f"{field}.{key} is not an option of attention {self.name!r}; "
+                    f"its options are {sorted(known)}"
+                )
+        return options
+
+    def resolve_options(
+        self, options: Mapping[str, Any] | None, *, field: str = "model.attention_options"
+    ) -> dict[str, Any]:
+        """The option defaults overridden by ``options`` (checked as in :meth:`check_options`).
+
+        The shape fields ``num_heads``, ``head_dim`` and ``out_dim`` are not options here.
+        """
+        given = ("num_heads", "head_dim", "out_dim")
+        return {**self.option_defaults(), **self.check_options(options, given=given, field=field)}
+
+
+_REGISTRY: dict[str, Mechanism] = {}
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return dict(getattr(cls, "__dataclass_fields__", {}))
+
+
+def register(
+    name: str,
+    *,
+    flops: FlopsFn | None = None,
+    params: ParamsFn | None = None,
+    length_options: Callable[[int], dict[str, Any]] | None = None,
+) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator that registers an attention module under ``name``.
+
+    ``flops``, ``params`` and ``length_options`` become the fields of its
+    :class:`Mechanism` entry; the option defaults come from the class's fields.
+    """
 
     def wrap(cls: type[nn.Module]) -> type[nn.Module]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
+        if name in _REGISTRY and _REGISTRY[name].module is not cls:
             raise ValueError(f"attention mechanism {name!r} is registered twice")
-        _REGISTRY[name] = cls
+        missing = [k for k in COMMON_FIELDS if k not in _fields(cls)]
+        if missing:
+            raise TypeError(f"attention {name!r} ({cls.__name__}) lacks the fields {missing}")
+        _REGISTRY[name] = Mechanism(name, cls, flops, params, length_options)
         return cls
 
     return wrap
@@ -45,8 +152,8 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_attention(name: str, field: str = "model.attention") -> type[nn.Module]:
-    """The module class registered as ``name``; the error names the config ``field``."""
+def get_mechanism(name: str, field: str = "model.attention") -> Mechanism:
+    """The registry entry of ``name``; the error names the config ``field``."""
     _import_builtin()
     try:
         return _REGISTRY[name]
@@ -56,6 +163,16 @@ def get_attention(name: str, field: str = "model.attention") -> type[nn.Module]:
         ) from None
 
 
+def get_attention(name: str, field: str = "model.attention") -> type[nn.Module]:
+    """The module class registered as ``name``; the error names the config ``field``."""
+    return get_mechanism(name, field).module
+
+
+def option_defaults(name: str) -> dict[str, Any]:
+    """``{option: default}`` of mechanism ``name`` (its module's fields, common ones left out)."""
+    return get_mechanism(name).option_defaults()
+
+
 def build_attention(
     name: str, *, options: dict[str, Any] | None = None, **fields: Any
 ) -> nn.Module:
@@ -63,16 +180,9 @@ def build_attention(
 
     Unknown option names fail with a message naming ``model.attention_options.<opt>``.
     """
-    cls = get_attention(name)
-    options = dict(options or {})
-    known = set(getattr(cls, "__dataclass_fields__", {}))
-    for key in options:
-        if key not in known:
-            raise ValueError(
-                f"model.attention_options.{key} is not an option of attention {name!r}; "
-                f"its options are {sorted(known - {'parent', 'name'} - set(fields))}"
-            )
-    return cls(**fields, **options)
+    mechanism = get_mechanism(name)
+    options = mechanism.check_options(options, given=fields)
+    return mechanism.module(**fields, **options)
 
 
 def _import_builtin() -> None:

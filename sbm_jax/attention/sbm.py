@@ -18,7 +18,7 @@ whose draws exceeded the largest bucket.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
 from sbm_jax.fastrg import (
@@ -432,7 +433,41 @@ def cluster_initializer(kind: str = "paper") -> nn.initializers.Initializer:
     raise ValueError(f"cluster_init={kind!r} is not one of {CLUSTER_INITS}")
 
 
-@register("sbm")
+def sbm_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; per head, k clusters, E = ``density`` n^2 sampled edges (None: n^2):
+    ``memberships_mlp 2 (2 * 2nd^2 + 3nd)`` (two-layer MLP with biases and relu on Q and
+    K); ``memberships 2 (2nkd + nk)`` (x C^T, sigmoid); ``block_matrix 2k^2 d + 5k^2``
+    (S = softmax(C C^T)); ``expected_edges 2nk^2 + 2nk + 2k^2`` (Y S, column sums,
+    bilinear form); ``edge_sampling E (log2 k^2 + 2 log2 n + 2k + 2)`` (inverse-CDF picks
+    of block and nodes, p_ij = (YS)_i . z_j, keep test); ``ste E``; then softmax
+    attention over the E edges (``scale nd``, ``scores 2Ed``, ``softmax 5E``,
+    ``aggregation 2Ed``)."""
+    k = int(options["num_clusters"])
+    rho = 1.0 if density is None else float(density)
+    e = rho * n * n
+    per_edge = math.log2(max(k * k, 2)) + 2.0 * math.log2(max(n, 2)) + 2.0 * k + 2.0
+    return {
+        **projection_flops(n, D, H, d),
+        "memberships_mlp": H * 2 * (2 * 2.0 * n * d * d + 3.0 * n * d),
+        "memberships": H * 2 * (2.0 * n * k * d + n * k),
+        "block_matrix": H * (2.0 * k * k * d + SOFTMAX * k * k),
+        "expected_edges": H * (2.0 * n * k * k + 2.0 * n * k + 2.0 * k * k),
+        "edge_sampling": H * e * per_edge,
+        "ste": H * e,
+        **edge_flops([e] * H, n, d),
+    }
+
+
+def sbm_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections, clusters ``[H, k, d]`` and the membership MLP (two
+    ``[d, d]`` layers with biases, per head unless ``shared_mlp``)."""
+    mlp = 2 * (d * d + d) * (1 if options["shared_mlp"] else H)
+    return projection_params(D, H, d) + H * int(options["num_clusters"]) * d + mlp
+
+
+@register("sbm", flops=sbm_flops, params=sbm_params)
 class SBMAttention(nn.Module):
     """Multi-head SBM attention on ``x [batch, length, dim]`` with a padding mask.
 

@@ -29,12 +29,15 @@ compiled program.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from sbm_jax.attention.counting import edge_flops, projection_flops, projection_params
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
@@ -45,6 +48,95 @@ Array = jax.Array
 def default_stride(n: int) -> int:
     """The stride l close to sqrt(n): ``max(1, round(sqrt(n)))``."""
     return max(1, round(math.sqrt(n)))
+
+
+MAX_DEFAULT_SUMMARY_CELLS = 8
+
+
+def default_summary_cells(stride: int) -> int:
+    """Default ``c`` of ``sparse_fixed`` for stride ``l``: ``max(1, min(8, l // 8))``.
+
+    Constant (8, the paper's example with l = 128) once l >= 64, so the B head's keys per
+    query, ``c n / l``, grow as sqrt(n) like the rest of the pattern; a c growing with l
+    (e.g. l // 8) would give every query n / 8 keys, quadratic in n. Short strides get
+    l // 8 so the summary never fills the block.
+    """
+    return max(1, min(MAX_DEFAULT_SUMMARY_CELLS, stride // 8))
+
+
+def _summary_residues(stride: int, c: int, offset: int) -> np.ndarray:
+    """Residues ``j mod l`` of the fixed pattern's summary cells (type-B heads)."""
+    rho = np.arange(stride)
+    return rho[((stride - 1 - offset - rho) % stride) < c]
+
+
+def _count_residues(limit: np.ndarray, residues: np.ndarray, stride: int) -> np.ndarray:
+    """Per row: number of j in [0, limit] with j mod stride in ``residues``."""
+    lim = limit[:, None]
+    res = residues[None, :]
+    return np.where(lim >= res, (lim - res) // stride + 1, 0).sum(axis=1)
+
+
+def pattern_edges(
+    kind: str,
+    n: int,
+    num_heads: int,
+    *,
+    stride: int | None = None,
+    c: int | None = None,
+    causal: bool = False,
+    distinct_summaries: bool = False,
+) -> list[int]:
+    """Attended (query, key) pairs of each head of a Sparse Transformer pattern.
+
+    ``kind`` is ``"strided"`` or ``"fixed"``; heads split as the mechanisms do (one head:
+    union of types A and B; otherwise the first ceil(H/2) heads A, the rest B).
+    Returns one count per head, computed from per-row closed forms in O(n * stride).
+    """
+    if kind not in ("strided", "fixed"):
+        raise ValueError(f"kind={kind!r} must be 'strided' or 'fixed'")
+    stride = default_stride(n) if stride is None else int(stride)
+    if stride < 1:
+        raise ValueError(f"stride={stride} must be >= 1")
+    i = np.arange(n, dtype=np.int64)
+    if kind == "strided":
+        if causal:
+            a = np.minimum(i, stride) + 1
+            b = i // stride + 1
+            ab = 1 + (i - stride >= 0)
+        else:
+            a = np.minimum(i + stride, n - 1) - np.maximum(i - stride, 0) + 1
+            b = (n - 1 - i % stride) // stride + 1
+            ab = 1 + (i - stride >= 0) + (i + stride <= n - 1)
+        a_count, b_counts = int(a.sum()), [int(b.sum())]
+        union = int((a + b - ab).sum())
+    else:
+        c = default_summary_cells(stride) if c is None else int(c)
+        if not 1 <= c <= stride:
+            raise ValueError(f"c={c} must be in [1, stride={stride}]")
+        start = (i // stride) * stride
+        if causal:
+            a = i % stride + 1
+            limit = i
+        else:
+            a = np.minimum(stride, n - start)
+            limit = np.full(n, n - 1)
+        num_b = num_heads // 2 if distinct_summaries else 1
+        b_counts = []
+        for h in range(max(num_b, 1)):
+            residues = _summary_residues(stride, c, (h * c) % stride)
+            b_counts.append(int(_count_residues(limit, residues, stride).sum()))
+        residues = _summary_residues(stride, c, 0)
+        top = i if causal else np.minimum(start + stride - 1, n - 1)
+        ab = np.zeros(n, np.int64)
+        for r in residues:  # summary cells inside the query's own block
+            ab += (start + r <= top).astype(np.int64)
+        a_count = int(a.sum())
+        union = int((a + _count_residues(limit, residues, stride) - ab).sum())
+    if num_heads == 1:
+        return [union]
+    num_a = num_heads - num_heads // 2
+    return [a_count] * num_a + [b_counts[h % len(b_counts)] for h in range(num_heads - num_a)]
 
 
 def _check_stride(n: int, stride: int) -> None:
@@ -188,7 +280,40 @@ class _PatternAttention(nn.Module):
         return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 
-@register("sparse_strided")
+def sparse_strided_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Projections; softmax attention over E = the head's attended (query, key) pairs
+    (:func:`pattern_edges`): ``scale nd``, ``scores 2Ed``, ``softmax 5E``, ``aggregation
+    2Ed``. This is the algorithmic cost; ``impl="blocked"`` executes the scores of the
+    blocks it gathers (a small multiple of E, e.g. 3l keys per query for the strided band
+    that keeps 2l + 1); ``impl="mask"`` full attention's."""
+    edges = pattern_edges("strided", n, H, stride=options["stride"], causal=bool(options["causal"]))
+    return {**projection_flops(n, D, H, d), **edge_flops(edges, n, d)}
+
+
+def sparse_fixed_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """As :func:`sparse_strided_flops`, over the fixed pattern's pairs."""
+    edges = pattern_edges(
+        "fixed",
+        n,
+        H,
+        stride=options["stride"],
+        c=options["c"],
+        causal=bool(options["causal"]),
+        distinct_summaries=bool(options["distinct_summaries"]),
+    )
+    return {**projection_flops(n, D, H, d), **edge_flops(edges, n, d)}
+
+
+def pattern_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Q, K, V and output projections with biases (the patterns hold no parameters)."""
+    return projection_params(D, H, d)
+
+
+@register("sparse_strided", flops=sparse_strided_flops, params=pattern_params)
 class SparseStridedAttention(_PatternAttention):
     """Sparse Transformer strided attention.
 
@@ -204,21 +329,7 @@ class SparseStridedAttention(_PatternAttention):
         return split_heads(a, b, self.num_heads)
 
 
-MAX_DEFAULT_SUMMARY_CELLS = 8
-
-
-def default_summary_cells(stride: int) -> int:
-    """Default ``c`` of ``sparse_fixed`` for stride ``l``: ``max(1, min(8, l // 8))``.
-
-    Constant (8, the paper's example with l = 128) once l >= 64, so the B head's keys per
-    query, ``c n / l``, grow as sqrt(n) like the rest of the pattern; a c growing with l
-    (e.g. l // 8) would give every query n / 8 keys, quadratic in n. Short strides get
-    l // 8 so the summary never fills the block.
-    """
-    return max(1, min(MAX_DEFAULT_SUMMARY_CELLS, stride // 8))
-
-
-@register("sparse_fixed")
+@register("sparse_fixed", flops=sparse_fixed_flops, params=pattern_params)
 class SparseFixedAttention(_PatternAttention):
     """Sparse Transformer fixed attention.
 

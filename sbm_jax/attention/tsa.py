@@ -19,14 +19,17 @@ are listed in docs/tsa.md.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention.counting import projection_flops
 from sbm_jax.attention.registry import STATS_COLLECTION, register
-from sbm_jax.layers.tt import TTDense
+from sbm_jax.layers.tt import TTDense, tt_core_shapes, tt_modes, tt_num_params, tt_ranks
 
 Array = jax.Array
 
@@ -68,7 +71,57 @@ def spectral_filter(psi: Array, v: Array, mask: Array) -> Array:
     return jnp.where(mask[:, :, None, None], y, jnp.zeros((), y.dtype))
 
 
-@register("tsa")
+def _tt_row_flops(in_dim: int, out_dim: int, rank: int) -> float:
+    """FLOPs of one row through a TTDense with automatic modes (see ``tt_contract``)."""
+    in_modes, out_modes = tt_modes(in_dim, out_dim)
+    shapes = tt_core_shapes(in_modes, out_modes, tt_ranks(len(in_modes), rank))
+    total = 0.0
+    for idx, (r0, i_n, j_n, r1) in enumerate(shapes):
+        left = math.prod(out_modes[:idx])
+        right = math.prod(in_modes[idx + 1 :])
+        total += 2.0 * r0 * i_n * j_n * r1 * left * right
+    return total
+
+
+def _tt_params(in_dim: int, out_dim: int, rank: int) -> int:
+    """Cores of a TTDense ``in_dim -> out_dim`` with automatic modes (no bias)."""
+    in_modes, out_modes = tt_modes(in_dim, out_dim)
+    return tt_num_params(in_modes, out_modes, tt_ranks(len(in_modes), rank))
+
+
+def tsa_flops(
+    n: int, D: int, H: int, d: int, options: Mapping[str, Any], density: float | None
+) -> dict[str, float]:
+    """Key/value projections TT (``2 sum_n R_{n-1} I_n J_n R_n prod_{k<n} J_k prod_{k>n} I_k``
+    per row, per head) or dense ``2nDd`` per head; per head ``scores 2n^2 d``, ``graph
+    4n^2`` (scale, relu, x Omega, mask), ``filter 2n^2 d + nd`` ((I + Psi) V); output
+    projection TT or ``2nHdD``."""
+    if options["projection"] == "dense":
+        projections = projection_flops(n, D, H, d, inputs=2)
+    else:
+        rank = int(options["tt_rank"])
+        projections = {
+            "qkv_projection": 2 * H * n * _tt_row_flops(D, d, rank),
+            "out_projection": n * _tt_row_flops(H * d, D, rank),
+        }
+    return {
+        **projections,
+        "scores": H * 2.0 * n * n * d,
+        "graph": H * 4.0 * n * n,
+        "filter": H * (2.0 * n * n * d + n * d),
+    }
+
+
+def tsa_params(n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int:
+    """Key and value projections (per head), output projection; biases with ``use_bias``."""
+    bias = bool(options["use_bias"])
+    if options["projection"] == "dense":
+        return 2 * (D * H * d + bias * H * d) + H * d * D + bias * D
+    rank = int(options["tt_rank"])
+    return 2 * H * (_tt_params(D, d, rank) + bias * d) + _tt_params(H * d, D, rank) + bias * D
+
+
+@register("tsa", flops=tsa_flops, params=tsa_params)
 class TensorizedSpectralAttention(nn.Module):
     """Multi-head Tensorized Spectral Attention: x [B, L, D], mask [B, L] -> [B, L, out_dim].
 
