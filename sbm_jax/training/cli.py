@@ -40,7 +40,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from sbm_jax.training.config_checks import (
-    COMMON_ATTENTION_FIELDS,
     ConfigError,
     closest_field,
     config_errors,
@@ -154,9 +153,9 @@ def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str
         if path == "model.attention":
             mechanism = value
     try:
-        from sbm_jax.attention import get_attention
+        from sbm_jax.attention.registry import get_mechanism
 
-        fields = getattr(get_attention(str(mechanism)), "__dataclass_fields__", {})
+        defaults = get_mechanism(str(mechanism)).option_defaults()
     except ValueError:
         return
     options = model.attention_options
@@ -165,11 +164,9 @@ def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str
         if not path.startswith(prefix):
             continue
         name = path[len(prefix) :]
-        if "." in name or name in options or name not in fields:
+        if "." in name or name in options or name not in defaults:
             continue
-        if name in COMMON_ATTENTION_FIELDS:
-            continue
-        default = fields[name].default
+        default = defaults[name]
         if default is not None and not isinstance(default, (bool, int, float, str, tuple)):
             continue
         with options.unlocked():

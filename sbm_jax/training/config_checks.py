@@ -26,13 +26,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sbm_jax.attention import get_attention
+from sbm_jax.attention.registry import get_mechanism
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
 from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS
-
-# Fields every mechanism's constructor takes from ``model``, not from its options.
-COMMON_ATTENTION_FIELDS = frozenset(
-    {"parent", "name", "num_heads", "head_dim", "out_dim", "attention_dropout", "dtype"}
-)
 
 
 class ConfigError(ValueError):
@@ -98,8 +94,8 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
         return
     options = model.get("attention_options") or {}
     options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
-    fields = getattr(cls, "__dataclass_fields__", {})
-    known = set(fields) - COMMON_ATTENTION_FIELDS
+    defaults = get_mechanism(str(model.get("attention"))).option_defaults()
+    known = set(defaults)
     bad = False
     for key, value in options.items():
         if key not in known:
@@ -111,7 +107,7 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
             )
             bad = True
             continue
-        default = fields[key].default
+        default = defaults[key]
         if not _type_matches(value, default):
             errors.append(
                 f"model.attention_options.{key}={value!r} must be a "
