@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._pytree import PyTreeDataclass
 from sbm_jax.graph import EdgeList
 
 LAWS = ("bernoulli", "poisson")
@@ -43,7 +43,7 @@ LAWS = ("bernoulli", "poisson")
 BERNOULLI_MAX_BOUND = 0.995
 
 
-class SamplingPlan(flax.struct.PyTreeNode):
+class SamplingPlan(PyTreeDataclass):
     """Everything fastRG needs for one (query set, key set) pair, O(nk + k^2).
 
     Shapes: ``n`` queries, ``m`` keys, ``k`` clusters, ``K = k + 1`` with the
