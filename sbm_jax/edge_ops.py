@@ -13,12 +13,16 @@ import jax.numpy as jnp
 
 from sbm_jax.graph import EdgeList
 
-#: ``jax.ad_checkpoint.checkpoint_name`` tags that the fast kernels put on the values
-#: their backward pass needs from the forward (output and per-row log-normaliser). A
-#: caller that wraps a kernel in ``jax.checkpoint`` can keep them with
-#: ``jax.checkpoint_policies.save_only_these_names(*EDGE_KERNEL_RESIDUAL_NAMES)`` so
-#: that the attention forward is not run again in the backward pass.
-EDGE_KERNEL_RESIDUAL_NAMES = ("edge_attention_out", "edge_attention_lse")
+# The kernels sit below this module (they never import it): ``impl`` dispatches to them.
+from sbm_jax.kernels import EDGE_KERNEL_RESIDUAL_NAMES, KERNELS
+
+__all__ = [
+    "EDGE_KERNEL_RESIDUAL_NAMES",
+    "dense_masked_attention",
+    "edge_attention",
+    "edge_scores",
+    "edge_softmax",
+]
 
 
 def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -90,8 +94,6 @@ def edge_attention(
     """
     _check_qkv(q, k, v)
     if impl != "segment":
-        from sbm_jax.kernels import KERNELS  # lazy: the kernels import this package
-
         if impl not in KERNELS:
             choices = ("segment", *KERNELS)
             raise ValueError(f"edge_attention impl={impl!r} is unknown; choose one of {choices}")

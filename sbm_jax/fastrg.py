@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._pytree import PyTreeDataclass
 from sbm_jax.graph import EdgeList
 
 LAWS = ("bernoulli", "poisson")
@@ -43,7 +43,7 @@ LAWS = ("bernoulli", "poisson")
 BERNOULLI_MAX_BOUND = 0.995
 
 
-class SamplingPlan(flax.struct.PyTreeNode):
+class SamplingPlan(PyTreeDataclass):
     """Everything fastRG needs for one (query set, key set) pair, O(nk + k^2).
 
     Shapes: ``n`` queries, ``m`` keys, ``k`` clusters, ``K = k + 1`` with the
@@ -140,15 +140,10 @@ def make_plan(
     )
 
 
-def draw_count(key: jax.Array, plan: SamplingPlan) -> jax.Array:
-    """Number of fastRG draws, ``Poisson(c * expected_edges)``, as int32."""
-    return jax.random.poisson(key, plan.expected_draws).astype(jnp.int32)
-
-
 def draw_row_counts(key: jax.Array, plan: SamplingPlan) -> jax.Array:
     """Draws per query row, ``[n] int32``, independent ``Poisson(plan.row_rate)``.
 
-    Their sum has the law of :func:`draw_count`; passing them to :func:`sample_edge_keys`
+    Their sum is ``Poisson(plan.expected_draws)``; passing them to :func:`sample_edge_keys`
     saves it the multinomial split of a total.
     """
     return jax.random.poisson(key, plan.row_rate).astype(jnp.int32)
@@ -613,7 +608,7 @@ def sample_from_plan(
 ) -> EdgeList:
     """fastRG with ``count`` draws into ``capacity`` slots (plus ``forced_keys`` edges).
 
-    ``count`` is the total number of draws (``[]``, :func:`draw_count`) or the draws per
+    ``count`` is the total number of draws (``[]``, split by :func:`split_count`) or the draws per
     row (``[n]``, :func:`draw_row_counts`). ``forced_keys`` (``[F] int32``,
     ``row * m + col``, ``n * m`` for none) are edges that are always present
     (self-loops, local windows); the output then has ``capacity + F`` slots. Draws

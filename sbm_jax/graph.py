@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import flax.struct
+import dataclasses
+
 import jax
 import numpy as np
 
+from sbm_jax._pytree import PyTreeDataclass
 
-@flax.struct.dataclass
-class EdgeList:
+
+class EdgeList(PyTreeDataclass):
     """A bipartite query -> key graph with a static number of slots ``C``.
 
     Layout contract (kernels rely on it): valid edges come first, sorted by
@@ -31,9 +33,9 @@ class EdgeList:
     cols: jax.Array
     valid: jax.Array
     probs: jax.Array
-    num_edges: jax.Array = flax.struct.field(default_factory=lambda: np.int32(0))
-    num_draws: jax.Array = flax.struct.field(default_factory=lambda: np.int32(0))
-    overflow: jax.Array = flax.struct.field(default_factory=lambda: np.bool_(False))
+    num_edges: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
+    num_draws: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
+    overflow: jax.Array = dataclasses.field(default_factory=lambda: np.bool_(False))
 
     @property
     def capacity(self) -> int:

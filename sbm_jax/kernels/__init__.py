@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from sbm_jax.kernels.rows import (
     DEFAULT_BLOCK_SLOTS,
+    EDGE_KERNEL_RESIDUAL_NAMES,
     RowBlocks,
     default_slots_per_row,
     row_blocks,
@@ -26,6 +27,7 @@ KERNELS = {"rows": rows_edge_attention}
 
 __all__ = [
     "DEFAULT_BLOCK_SLOTS",
+    "EDGE_KERNEL_RESIDUAL_NAMES",
     "KERNELS",
     "RowBlocks",
     "default_slots_per_row",

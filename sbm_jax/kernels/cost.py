@@ -39,9 +39,6 @@ EDGE_COST: dict[str, dict[str, float]] = {
     "tpu": {"rows": 16.0, "segment": 32.0},
 }
 
-#: Backends whose :data:`EDGE_COST` entry was measured (the others are guesses).
-CALIBRATED_BACKENDS = ("cpu",)
-
 
 def edge_cost(kernel: str, backend: str | None = None) -> float:
     """Cost of one sparse slot with ``kernel`` on ``backend`` (default: JAX's), in pairs of
@@ -51,11 +48,6 @@ def edge_cost(kernel: str, backend: str | None = None) -> float:
     if kernel not in table:
         raise ValueError(f"kernel={kernel!r} has no calibrated cost; known: {tuple(table)}")
     return table[kernel]
-
-
-def sparse_cost(capacity: int, kernel: str, backend: str | None = None) -> float:
-    """Cost of a sparse branch with ``capacity`` slots per graph, in dense-branch pairs."""
-    return capacity * edge_cost(kernel, backend)
 
 
 def sparse_buckets_worth_it(

@@ -39,8 +39,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.graph import EdgeList
+
+#: ``jax.ad_checkpoint.checkpoint_name`` tags that the fast kernels put on the values
+#: their backward pass needs from the forward (output and per-row log-normaliser). A
+#: caller that wraps a kernel in ``jax.checkpoint`` can keep them with
+#: ``jax.checkpoint_policies.save_only_these_names(*EDGE_KERNEL_RESIDUAL_NAMES)`` so
+#: that the attention forward is not run again in the backward pass. Defined here, below
+#: :mod:`sbm_jax.edge_ops` (which re-exports it), so that the kernels never import it.
+EDGE_KERNEL_RESIDUAL_NAMES = ("edge_attention_out", "edge_attention_lse")
 
 #: Default slots per block (``Vb * R``): temporaries stay near 1 MiB per block.
 DEFAULT_BLOCK_SLOTS = 2**14

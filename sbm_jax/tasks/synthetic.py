@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sbm_jax.tasks import register_task
+from sbm_jax.tasks.registry import register_task
 from sbm_jax.training.task import Batch, Task, classification_loss
 
 _TRAIN_STREAM = 0
