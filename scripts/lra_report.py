@@ -33,6 +33,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -375,8 +376,6 @@ def figure_tradeoff(summaries: list[dict[str, Any]], path: str) -> str | None:
 
 def _natural(path: str) -> list[Any]:
     """Sort key that puts ``block_2`` before ``block_10``."""
-    import re
-
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
 
 
