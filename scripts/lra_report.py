@@ -19,9 +19,11 @@ config) and writes into ``--out``:
 * ``table2_tradeoff.png``: Table 2 as a figure, test accuracy against test density per
   lambda, for tasks with runs at two or more lambdas.
 * ``fig7_image_density.png`` / ``fig8_pathfinder_density.png``: for a few test inputs of
-  Image / Pathfinder, the input and, per SBM layer, each token's expected attention
-  density (the mean over keys of the edge probability ``p_ij``, heads averaged) at the
-  best checkpoint (figs. 7, 8). Needs the run's checkpoint and data.
+  Image / Pathfinder at the best checkpoint, the input and, per SBM layer and head, each
+  pixel's expected key density (the fraction of pixels that attend to it, ``mean_i
+  p_ij``) titled with the head's sampled density on that input (figs. 7, 8): the values
+  the SBM layer sows (``key_density``, ``density``), read by running the model. Needs
+  the run's checkpoint and data.
 * ``report.json``: every number above.
 """
 
@@ -31,6 +33,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -371,18 +374,54 @@ def figure_tradeoff(summaries: list[dict[str, Any]], path: str) -> str | None:
     return path
 
 
-def token_density_maps(summary: dict[str, Any], num_inputs: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs [num, L], per-layer expected token density [num, layers, L]) for the
-    first test inputs at the run's best checkpoint.
+def _natural(path: str) -> list[Any]:
+    """Sort key that puts ``block_2`` before ``block_10``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
 
-    The expected density of query ``i`` is ``mean_j min(1, q_i^T S k_j)`` over real keys
-    ``j`` (memberships and block matrix of the SBM layer; heads averaged): the expected
-    fraction of tokens ``i`` attends to, computed from the layer's own input (captured
-    with ``capture_intermediates``) and parameters.
+
+def sown_token_densities(
+    model: Any, params: Any, inputs: dict[str, Any], rng: Any = None
+) -> dict[str, dict[str, np.ndarray]]:
+    """What each SBM attention layer sows on ``inputs`` in evaluation (graph sampling on,
+    no dropout): {module path, in layer order: {``density [B, H]`` (the sampled graph's
+    density), ``query_density``, ``key_density [B, H, L]``}}.
+
+    Read from the model's ``attention_stats`` (see
+    :func:`sbm_jax.attention.sbm.expected_token_densities`); a layer called twice (dual
+    encoder) gives its first call's values.
     """
     import jax
-    import jax.numpy as jnp
+    from flax import traverse_util
 
+    from sbm_jax.attention import STATS_COLLECTION
+
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+
+    @jax.jit
+    def run(params: Any, inputs: dict[str, Any], rng: Any) -> Any:
+        return model.apply(
+            {"params": params},
+            **inputs,
+            deterministic=True,
+            rngs={"sample": rng},
+            mutable=[STATS_COLLECTION],
+        )[1]
+
+    mutables = run(params, inputs, rng)
+    flat = traverse_util.flatten_dict(dict(mutables.get(STATS_COLLECTION, {})))
+    out: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
+    for path, values in flat.items():
+        if path[-1] in ("density", "query_density", "key_density"):
+            first = values[0] if isinstance(values, tuple) else values
+            out["/".join(str(p) for p in path[:-1])][path[-1]] = np.asarray(first)
+    return {k: out[k] for k in sorted(out, key=_natural) if "query_density" in out[k]}
+
+
+def load_test_examples(
+    summary: dict[str, Any], num_inputs: int
+) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """(model, params at the run's best checkpoint, batch of its first ``num_inputs``
+    test examples, the model's keyword inputs for that batch)."""
     import lra.train_task  # noqa: F401  (registers the LRA tasks)
     from sbm_jax.models import build_model
     from sbm_jax.tasks import build_task
@@ -400,82 +439,69 @@ def token_density_maps(summary: dict[str, Any], num_inputs: int) -> tuple[np.nda
     ckpts.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint under {summary['output_dir']}")
-    params = restored[0].params
-    _, inter = model.apply(
-        {"params": params},
-        **task.model_inputs(batch),
-        deterministic=True,
-        rngs={"sample": jax.random.PRNGKey(0)},
-        capture_intermediates=lambda mdl, _: (
-            mdl.name is not None and mdl.name.startswith("ln_attention")
-        ),
-        mutable=["intermediates"],
-    )
-    flat = jax.tree_util.tree_flatten_with_path(inter["intermediates"])[0]
-    ln_outputs = {}
-    for path, value in flat:
-        keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
-        block = "/".join(str(k) for k in keys if isinstance(k, str) and k != "__call__")
-        ln_outputs[block] = value
-    attn_params = {}
-    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = [str(getattr(p, "key", "")) for p in path]
-        if "attention" in keys:
-            i = keys.index("attention")
-            attn_params.setdefault("/".join(keys[:i]), {})["/".join(keys[i + 1 :])] = value
-    mask = jnp.asarray(batch["mask"])
-    shared = bool(cfg.model.attention_options.get("shared_mlp", False))
-    maps = []
-    for block in sorted(attn_params):
-        p = attn_params[block]
-        x = ln_outputs[block + "/ln_attention"]
-        q = jnp.einsum("bld,dhe->blhe", x, p["query/kernel"]) + p["query/bias"]
-        k = jnp.einsum("bld,dhe->blhe", x, p["key/kernel"]) + p["key/bias"]
-        eq = "blhd,de->blhe" if shared else "blhd,hde->blhe"
-
-        def embed(t, p=p, eq=eq):
-            h = jax.nn.relu(jnp.einsum(eq, t, p["mlp_w1"]) + p["mlp_b1"])
-            return jnp.einsum(eq, h, p["mlp_w2"]) + p["mlp_b2"]
-
-        c = p["clusters"]
-        qm = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", embed(q), c))
-        km = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", embed(k), c))
-        heads, kk = c.shape[0], c.shape[1]
-        block_s = jax.nn.softmax(
-            jnp.einsum("hkd,hjd->hkj", c, c).reshape(heads, -1), axis=-1
-        ).reshape(heads, kk, kk)
-        prob = jnp.minimum(jnp.einsum("bhik,hkj,bhlj->bhil", qm, block_s, km), 1.0)
-        real = mask[:, None, None, :].astype(jnp.float32)
-        dens = jnp.sum(prob * real, -1) / jnp.maximum(jnp.sum(real, -1), 1.0)
-        maps.append(jnp.mean(dens, axis=1))  # [num, L]
-    return np.asarray(batch["inputs"]), np.stack([np.asarray(m) for m in maps], axis=1)
+    return model, restored[0].params, batch, task.model_inputs(batch)
 
 
-def density_map_figure(summary: dict[str, Any], path: str, num_inputs: int) -> str:
-    """Inputs and per-layer token density maps (32 x 32) of a pixel task's SBM run."""
+def _sown_maps(summary: dict[str, Any], num_inputs: int) -> tuple[dict, dict]:
+    """(test batch, :func:`sown_token_densities` of the run's model on it)."""
+    model, params, batch, inputs = load_test_examples(summary, num_inputs)
+    return batch, sown_token_densities(model, params, inputs)
+
+
+def token_density_maps(
+    summary: dict[str, Any], num_inputs: int, which: str = "query"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs [num, L], per-layer token density [num, layers, L], heads averaged) for the
+    first test inputs at the run's best checkpoint.
+
+    ``which="query"``: the expected density of query ``i``, ``mean_j p_ij`` over real
+    keys (the expected fraction of tokens ``i`` attends to); ``"key"``: of key ``j``,
+    ``mean_i p_ij`` (the fraction of tokens that attend to ``j``). Both are what the SBM
+    layers sow (``query_density`` / ``key_density``), not recomputed here.
+    """
+    if which not in ("query", "key"):
+        raise ValueError(f"which={which!r} must be 'query' or 'key'")
+    batch, sown = _sown_maps(summary, num_inputs)
+    maps = [np.mean(layer[f"{which}_density"], axis=1) for layer in sown.values()]
+    return np.asarray(batch["inputs"]), np.stack(maps, axis=1)
+
+
+def density_map_figure(summary: dict[str, Any], path: str, num_inputs: int) -> dict[str, Any]:
+    """Figs. 7-8: for each of the first test inputs of a pixel task's SBM run, the input
+    (titled with its label) and, per layer and head, each pixel's expected key density
+    (the fraction of pixels that attend to it, ``key_density``) as a 32 x 32 map titled
+    with that head's sampled density on this input (``density``), all as the model sows
+    them. Returns what was drawn: ``{"path", "density" [num, layers, heads],
+    "key_density" [num, layers, heads, L]}``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    inputs, maps = token_density_maps(summary, num_inputs)
-    num, layers, length = maps.shape
+    batch, sown = _sown_maps(summary, num_inputs)
+    inputs = np.asarray(batch["inputs"])
+    labels = np.asarray(batch["targets"]) if "targets" in batch else None
+    keys = np.stack([layer["key_density"] for layer in sown.values()], axis=1)
+    dens = np.stack([layer["density"] for layer in sown.values()], axis=1)  # [num, layers, H]
+    num, layers, heads, length = keys.shape
     side = int(round(math.sqrt(length)))
-    fig, axes = plt.subplots(num, layers + 1, figsize=(2.2 * (layers + 1), 2.2 * num))
-    axes = np.atleast_2d(axes)
+    cols = 1 + layers * heads
+    fig, axes = plt.subplots(num, cols, figsize=(2.0 * cols, 2.1 * num), squeeze=False)
     for i in range(num):
         axes[i, 0].imshow(inputs[i].reshape(side, side), cmap="gray")
-        axes[i, 0].set_title("input", fontsize=8)
+        axes[i, 0].set_title("input" if labels is None else f"label {int(labels[i])}", fontsize=8)
         for layer in range(layers):
-            im = axes[i, layer + 1].imshow(maps[i, layer].reshape(side, side), cmap="viridis")
-            axes[i, layer + 1].set_title(f"layer {layer + 1} density", fontsize=8)
-            fig.colorbar(im, ax=axes[i, layer + 1], fraction=0.046)
+            for head in range(heads):
+                ax = axes[i, 1 + layer * heads + head]
+                ax.imshow(keys[i, layer, head].reshape(side, side), cmap="viridis")
+                ax.set_title(f"L{layer + 1}H{head + 1}: {dens[i, layer, head]:.3f}", fontsize=8)
         for ax in axes[i]:
             ax.axis("off")
+    fig.suptitle("colour: fraction of pixels attending to a pixel; title: head density", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return {"path": path, "density": dens, "key_density": keys}
 
 
 def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
@@ -508,8 +534,9 @@ def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
         ):
             runs = [s for s in summaries if s["attention"] == "sbm" and s["task_short"] == task]
             if runs:
-                path = os.path.join(out, fig + ".png")
-                report["files"].append(density_map_figure(runs[0], path, num_maps))
+                drawn = density_map_figure(runs[0], os.path.join(out, fig + ".png"), num_maps)
+                report["files"].append(drawn["path"])
+                report[fig] = {"head_density": drawn["density"].tolist()}
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=float)
     return report

@@ -319,3 +319,97 @@ def test_report_figures_read_the_sown_densities(tmp_path):
     assert fig5 and os.path.getsize(fig5) > 0 and trade and os.path.getsize(trade) > 0
     # one lambda only: no trade-off to draw
     assert lra_report.figure_tradeoff(runs[:1], str(tmp_path / "none.png")) is None
+
+
+def _tiny_sbm_classifier(length: int):
+    """A one-layer SBM classifier (dense path), its parameters and two inputs."""
+    import jax
+    import jax.numpy as jnp
+    import ml_collections
+
+    from sbm_jax.models import build_model
+
+    model_cfg = ml_collections.ConfigDict(
+        dict(
+            vocab_size=256,
+            max_len=length,
+            emb_dim=16,
+            num_layers=1,
+            num_heads=2,
+            head_dim=8,
+            mlp_dim=16,
+            attention="sbm",
+            attention_options=dict(num_clusters=8, impl="dense"),
+            dropout=0.0,
+            attention_dropout=0.0,
+            pooling="mean",
+            classifier_dim=16,
+            num_classes=10,
+            dtype="float32",
+        )
+    )
+    model = build_model(model_cfg, "classification")
+    ids = jax.random.randint(jax.random.PRNGKey(3), (2, length), 0, 256)
+    batch = {
+        "inputs": np.asarray(ids),
+        "mask": np.ones((2, length), bool),
+        "targets": np.array([3, 7], np.int32),
+    }
+    inputs = {"inputs": jnp.asarray(batch["inputs"]), "mask": jnp.asarray(batch["mask"])}
+    rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
+    init = jax.jit(lambda rngs, inputs: model.init(rngs, **inputs, deterministic=True))
+    params = init(rngs, inputs)["params"]
+    return model, params, batch, inputs
+
+
+def test_density_maps_are_what_the_model_sows(tmp_path, monkeypatch):
+    """The report's token-density maps and figs. 7-8 numbers are the values the SBM layers
+    sow (read by running the model), not a re-derivation: they equal the sown values of
+    a direct apply, and follow the layer when its sown densities change."""
+    import jax
+
+    import sbm_jax.attention.sbm as sbm_module
+    from sbm_jax.attention import STATS_COLLECTION
+    from scripts import lra_report
+
+    length = 16
+    model, params, batch, inputs = _tiny_sbm_classifier(length)
+    monkeypatch.setattr(
+        lra_report, "load_test_examples", lambda summary, num: (model, params, batch, inputs)
+    )
+    apply = jax.jit(
+        lambda params, inputs: model.apply(
+            {"params": params},
+            **inputs,
+            deterministic=True,
+            rngs={"sample": jax.random.PRNGKey(0)},
+            mutable=[STATS_COLLECTION],
+        )[1]
+    )
+    sown = apply(params, inputs)
+    layers = [sown[STATS_COLLECTION]["encoder"]["block_0"]["attention"]]
+
+    got_in, query = lra_report.token_density_maps({}, 2)
+    np.testing.assert_array_equal(got_in, batch["inputs"])
+    assert query.shape == (2, 1, length)
+    drawn = lra_report.density_map_figure({}, str(tmp_path / "fig7.png"), 2)
+    assert os.path.getsize(drawn["path"]) > 0
+    assert drawn["key_density"].shape == (2, 1, 2, length)
+    for i, layer in enumerate(layers):
+        np.testing.assert_allclose(query[:, i], np.mean(layer["query_density"][0], 1), rtol=1e-6)
+        np.testing.assert_allclose(drawn["key_density"][:, i], layer["key_density"][0], rtol=1e-6)
+        np.testing.assert_allclose(drawn["density"][:, i], layer["density"][0], rtol=1e-6)
+
+    # Change what the layer sows: the report follows (it recomputes nothing itself).
+    def marked(q_memb, block, k_memb, mask):
+        b, h, n = q_memb.shape[:3]
+        ramp = jax.numpy.broadcast_to(jax.numpy.arange(n) / n, (b, h, n))
+        return ramp, 1.0 - ramp
+
+    monkeypatch.setattr(sbm_module, "expected_token_densities", marked)
+    drawn = lra_report.density_map_figure({}, str(tmp_path / "marked.png"), 2)
+    ramp = np.arange(length) / length
+    np.testing.assert_allclose(drawn["key_density"], np.broadcast_to(1.0 - ramp, (2, 1, 2, length)))
+    # Layers come in depth order, block_10 after block_2.
+    names = ["encoder/block_10/attention", "encoder/block_2/attention"]
+    assert sorted(names, key=lra_report._natural) == names[::-1]

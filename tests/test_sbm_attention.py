@@ -592,3 +592,112 @@ def test_overflow_is_sown_for_the_trainer_when_the_dense_path_is_ruled_out():
     assert overflow.shape == (B, 2) and overflow.dtype == jnp.bool_
     assert int(np.asarray(overflow).sum()) == B * 2  # the count the trainer sums
     assert np.asarray(edges).max() <= cap  # edges beyond the bucket were lost, and flagged
+
+
+def _numpy_sbm(params, x, mask, *, shared_mlp):
+    """Y, S, Z and p = Y S Z^T of every (example, head), in float64 numpy from the
+    parameter arrays and the inputs (eqs. 5-8); padded rows of Y and Z zeroed."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = np.asarray(x, np.float64)
+    real = np.asarray(mask, np.float64)
+
+    def sigmoid(t):
+        return 1.0 / (1.0 + np.exp(-t))
+
+    def memberships(name):
+        t = np.einsum("bld,dhe->blhe", x, p[name]["kernel"]) + p[name]["bias"]
+        eq = "blhd,de->blhe" if shared_mlp else "blhd,hde->blhe"
+        h = np.maximum(np.einsum(eq, t, p["mlp_w1"]) + p["mlp_b1"], 0.0)
+        e = np.einsum(eq, h, p["mlp_w2"]) + p["mlp_b2"]
+        return sigmoid(np.einsum("blhd,hkd->bhlk", e, p["clusters"])) * real[:, None, :, None]
+
+    c = p["clusters"]
+    heads, k = c.shape[:2]
+    logits = np.einsum("hkd,hjd->hkj", c, c).reshape(heads, k * k)
+    s = np.exp(logits - logits.max(-1, keepdims=True))
+    s = (s / s.sum(-1, keepdims=True)).reshape(heads, k, k)
+    y, z = memberships("query"), memberships("key")
+    prob = np.einsum("bhik,hkl,bhjl->bhij", y, s, z)
+    return y, s, z, prob
+
+
+def _numpy_token_densities(prob, mask):
+    real = np.asarray(mask)
+    n_real = real.sum(1).astype(np.float64)[:, None, None]
+    query = (prob * real[:, None, None, :]).sum(-1) / n_real  # mean_j p_ij, real keys
+    key = (prob * real[:, None, :, None]).sum(-2) / n_real  # mean_i p_ij, real queries
+    return query, key
+
+
+@pytest.mark.parametrize(("impl", "path"), [("sparse", 0), ("dense", 1)])
+def test_sown_token_densities_match_numpy_on_every_path(impl, path):
+    """query_density and key_density, sown every call, equal a float64 numpy computation
+    from the parameters on the sparse and the dense path, under jit (training mode:
+    delta is left out); padded positions are 0; the trainer's aggregation is unchanged."""
+    from sbm_jax.attention.sbm import MAPS_COLLECTION
+    from sbm_jax.training import collect_attention_stats
+
+    mod = _module(impl=impl)  # the configurations the tests above compile already
+    x = _x()
+    params = _init(mod, x)
+    _, state = _apply(mod, params, x, jax.random.PRNGKey(3))
+    st = state[STATS_COLLECTION]
+    assert int(st["path"][0]) == path  # 1 = len(capacity_buckets): the dense path
+    assert MAPS_COLLECTION not in state  # not requested
+    want_query, want_key = _numpy_token_densities(
+        _numpy_sbm(params, x, MASK, shared_mlp=False)[3], MASK
+    )
+    (query,), (key,) = st["query_density"], st["key_density"]
+    assert query.shape == key.shape == (B, 2, L)
+    np.testing.assert_allclose(np.asarray(query), want_query, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(key), want_key, rtol=1e-5, atol=1e-7)
+    padded = ~np.asarray(MASK)[:, None, :].repeat(2, 1)
+    assert np.all(np.asarray(query)[padded] == 0) and np.all(np.asarray(key)[padded] == 0)
+
+    # The trainer reads density/edges/overflow by name; the new entries change nothing.
+    stats = collect_attention_stats(state)
+    assert set(stats) == {
+        "density",
+        "density_per_head",
+        "edges",
+        "edges_per_head",
+        "overflow",
+        "overflow_per_layer",
+    }
+    assert stats["density_per_head"][""].shape == (2,)
+    np.testing.assert_allclose(stats["density"], np.mean(st["density"][0]), rtol=1e-6)
+
+
+def test_memberships_are_sown_on_request_only():
+    """With attention_maps mutable, Y, Z (padded rows 0) and S equal a float64 numpy
+    computation from the parameters (shared MLP, evaluation, under jit); init sows
+    nothing there (and a plain apply neither: see the test above)."""
+    from sbm_jax.attention.sbm import MAPS_COLLECTION
+
+    mod = _module(impl="dense", shared_mlp=True)
+    x = _x(3)
+    rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
+    variables = jax.jit(mod.init)(rngs, x, MASK)
+    assert MAPS_COLLECTION not in variables
+    params = variables["params"]
+    run = jax.jit(
+        lambda params, x, key: mod.apply(
+            {"params": params},
+            x,
+            MASK,
+            deterministic=True,
+            rngs={"sample": key},
+            mutable=[STATS_COLLECTION, MAPS_COLLECTION],
+        )
+    )
+    _, state = run(params, x, jax.random.PRNGKey(7))
+    maps = state[MAPS_COLLECTION]
+    assert maps["q_memberships"][0].shape == (B, 2, L, 6) and maps["block"][0].shape == (2, 6, 6)
+    y, s, z, prob = _numpy_sbm(params, x, MASK, shared_mlp=True)
+    np.testing.assert_allclose(np.asarray(maps["q_memberships"][0]), y, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(maps["k_memberships"][0]), z, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(maps["block"][0]), s, rtol=1e-5, atol=1e-9)
+    want_query, want_key = _numpy_token_densities(prob, MASK)
+    st = state[STATS_COLLECTION]
+    np.testing.assert_allclose(np.asarray(st["query_density"][0]), want_query, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(st["key_density"][0]), want_key, rtol=1e-5)

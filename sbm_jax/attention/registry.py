@@ -12,7 +12,17 @@ Contract every registered mechanism keeps (the encoder relies on it):
 * Randomness only from the named rng streams ``dropout`` and ``sample``.
 * Statistics for logging go to the ``attention_stats`` collection with ``self.sow``:
   ``density [batch, heads]`` (differentiable where the mechanism's density is, e.g.
-  SBM through the straight-through estimator) and ``edges [batch, heads]``.
+  SBM through the straight-through estimator) and ``edges [batch, heads]``. A mechanism
+  may sow more entries under other names; the trainer reads ``density``, ``edges`` and
+  ``overflow`` by name and ignores the rest (unused entries cost nothing under ``jit``).
+  SBM adds ``overflow [batch, heads]`` bool, ``path []`` and the per-token expected
+  densities ``query_density`` and ``key_density [batch, heads, length]`` (0 at padded
+  positions), which reports read instead of re-deriving the layer.
+* Larger per-token arrays go to a separate collection that is sown only when the
+  caller makes it mutable (``self.is_mutable_collection``), so they cost nothing
+  otherwise: SBM sows ``q_memberships``, ``k_memberships [batch, heads, length, k]``
+  and ``block [heads, k, k]`` into ``attention_maps``
+  (``sbm_jax.attention.sbm.MAPS_COLLECTION``).
 """
 
 from __future__ import annotations

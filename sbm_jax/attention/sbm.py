@@ -412,6 +412,40 @@ def sbm_attention_core(
     return out, stats
 
 
+#: Collection the SBM layer sows its memberships ``Y``, ``Z`` and block matrix ``S``
+#: into, only when the caller asks: ``apply(..., mutable=[MAPS_COLLECTION])`` (they are
+#: ``[B, H, n, k]`` each, so nothing is computed or kept otherwise).
+MAPS_COLLECTION = "attention_maps"
+
+
+def expected_token_densities(
+    q_memberships: jax.Array, block: jax.Array, k_memberships: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token expected density of each head's graph: ``(query, key)``, ``[B, H, L]``.
+
+    With ``p = Y S Z^T`` (the expected mask of the paper, eq. 8; padded rows of ``Y``
+    and ``Z`` zeroed), ``query[b, h, i] = mean_j p_ij`` over the real keys ``j`` (the
+    expected fraction of tokens query ``i`` attends to) and ``key[b, h, j] = mean_i p_ij``
+    over the real queries ``i`` (the expected fraction of tokens that attend to key
+    ``j``: the paper's figs. 7-8). Padded positions are 0. Neither the exploration
+    ``delta`` nor forced edges (``self_loops``, ``window``) are included. Costs
+    ``O(L k + k^2)`` per head: ``p`` is never formed.
+
+    Shapes: memberships ``[B, H, L, k]``, ``block [H, k, k]``, ``mask [B, L]`` bool.
+    """
+    real = mask.astype(jnp.float32)
+    y = q_memberships.astype(jnp.float32) * real[:, None, :, None]
+    z = k_memberships.astype(jnp.float32) * real[:, None, :, None]
+    count = jnp.maximum(jnp.sum(real, axis=-1), 1.0)[:, None, None]  # [B, 1, 1]
+    hi = jax.lax.Precision.HIGHEST  # k-term sums: keep them float32 on every backend
+    block = block.astype(jnp.float32)
+    s_zsum = jnp.einsum("hkl,bhl->bhk", block, jnp.sum(z, axis=2), precision=hi)
+    ysum_s = jnp.einsum("bhk,hkl->bhl", jnp.sum(y, axis=2), block, precision=hi)
+    query = jnp.einsum("bhik,bhk->bhi", y, s_zsum, precision=hi) / count
+    key = jnp.einsum("bhjl,bhl->bhj", z, ysum_s, precision=hi) / count
+    return query, key
+
+
 CLUSTER_INITS = ("paper", "reference")
 
 
@@ -511,8 +545,16 @@ class SBMAttention(nn.Module):
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
-    draws exceeded the largest bucket and edges were lost; sum it for a count) and
-    ``path []`` (the bucket index, ``len(capacity_buckets)`` for the dense path).
+    draws exceeded the largest bucket and edges were lost; sum it for a count),
+    ``path []`` (the bucket index, ``len(capacity_buckets)`` for the dense path), and
+    the per-token expected densities ``query_density [B, H, L]`` and ``key_density
+    [B, H, L]`` (0 at padded positions; see :func:`expected_token_densities`), the same
+    on every path.
+
+    On request only, when ``apply`` is called with ``mutable=[MAPS_COLLECTION]``
+    (``"attention_maps"``; never during ``init``): ``q_memberships`` and
+    ``k_memberships [B, H, L, k]`` (``Y`` and ``Z`` of eqs. 6-7, 0 at padded positions)
+    and ``block [H, k, k]`` (``S`` of eq. 5), so ``p = Y S Z^T``.
     """
 
     num_heads: int
@@ -643,5 +685,13 @@ class SBMAttention(nn.Module):
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])
+        query_density, key_density = expected_token_densities(q_memb, block, k_memb, mask)
+        self.sow(STATS_COLLECTION, "query_density", query_density)
+        self.sow(STATS_COLLECTION, "key_density", key_density)
+        if self.is_mutable_collection(MAPS_COLLECTION) and not self.is_initializing():
+            real = mask[:, None, :, None]
+            self.sow(MAPS_COLLECTION, "q_memberships", jnp.where(real, q_memb, 0.0))
+            self.sow(MAPS_COLLECTION, "k_memberships", jnp.where(real, k_memb, 0.0))
+            self.sow(MAPS_COLLECTION, "block", block)
         out = out.transpose(0, 2, 1, 3).astype(self.dtype)  # [B, L, H, hd]
         return nn.DenseGeneral(out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
