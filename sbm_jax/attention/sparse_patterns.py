@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention._projections import head_dense, out_dense
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.attention.sparse_blocked import blocked_pattern_attention
@@ -165,10 +166,9 @@ class _PatternAttention(nn.Module):
             raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
         n = x.shape[1]
         options = self.blocked_options(n)  # validates the options before any tracing
-        features = (self.num_heads, self.head_dim)
-        q = nn.DenseGeneral(features, dtype=self.dtype, name="query")(x)
-        k = nn.DenseGeneral(features, dtype=self.dtype, name="key")(x)
-        v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
+        q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
+        k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)
+        v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)
         rng = None
         if not deterministic and self.attention_dropout > 0.0:
             rng = self.make_rng("dropout")
@@ -185,7 +185,7 @@ class _PatternAttention(nn.Module):
             density = edges / jnp.maximum(real * real, 1.0)[:, None]
         self.sow(STATS_COLLECTION, "density", density)
         self.sow(STATS_COLLECTION, "edges", edges)
-        return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return out_dense(self.out_dim, self.dtype)(out)
 
 
 @register("sparse_strided")
