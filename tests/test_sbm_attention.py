@@ -1,5 +1,6 @@
 """SBMAttention: path choice, same law on sparse and dense paths, density, padding, retracing."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +43,7 @@ def _init(mod, x):
     sig = (mod.num_heads, mod.head_dim, mod.num_clusters, mod.shared_mlp, x.shape)
     if sig not in _PARAMS:
         rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
-        _PARAMS[sig] = mod.clone(impl="dense").init(rngs, x, MASK)["params"]
+        _PARAMS[sig] = nn.unbox(mod.clone(impl="dense").init(rngs, x, MASK))["params"]
     return _PARAMS[sig]
 
 
@@ -556,6 +557,7 @@ def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
         ValueError, match=rf"{need_slots} slots, over max_edge_slots=100.*{4 * L * L}"
     ):
         mod.init({"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}, _x(), MASK)
+
     # A length whose n*m overflows the int32 edge keys, with the dense path ruled out.
     with pytest.raises(ValueError, match="length=50000"):
         plan_paths(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,), max_dense_elements=0)
