@@ -28,8 +28,8 @@ anything else         replicated       ``embed``, ``kv``, ``mlp``, ``clusters``,
                                        MLP, Linformer's projections)
 ====================  ===============  ===============================================
 
-A parameter without names (embeddings, layer norms, the feed-forward blocks, the heads
-of the task) is replicated, and so is a per-head parameter whose head axis is not a
+A parameter without names (embeddings, layer norms, the feed-forward blocks, the
+classifier on top) is replicated, and so is a per-head parameter whose head axis is not a
 multiple of the mesh's ``heads`` size. With ``heads`` of size 1 (or no ``heads`` axis)
 everything is replicated: the 1-axis data-parallel layout.
 
