@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,7 +392,7 @@ def layer_workload(
     rngs = {"params": kp, "sample": ks, "dropout": ks}
     x0 = x[:, : min(n, 64)]  # parameter shapes do not depend on n
     params = jax.jit(lambda x: mod.init(rngs, x, mask[:, : x.shape[1]], deterministic=False))(x0)
-    params = params["params"]
+    params = nn.unbox(params["params"])  # plain arrays (the logical axis names go)
     info: dict[str, Any] = {}
     if kind == "sbm":
         sig = (b, min(n, CALIBRATION_N), h, d, density, tuple(sorted((options or {}).items())))

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -79,7 +80,7 @@ def layer_fwd_bwd(name: str, options: dict[str, Any], b: int, h: int, d: int, n:
     mask = jnp.ones((b, n), bool)
     module = get_attention(name)(num_heads=h, head_dim=d, out_dim=width, **options)
     # Parameters do not depend on n; init on 64 tokens (stride 8, room for c = 8).
-    params = module.init(kp, x[:, :64], mask[:, :64], deterministic=True)["params"]
+    params = nn.unbox(module.init(kp, x[:, :64], mask[:, :64], deterministic=True))["params"]
 
     def loss(p, x, g):  # g an argument, not a constant XLA would fold
         out = module.apply({"params": p}, x, mask, deterministic=False)

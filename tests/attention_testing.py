@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,8 +61,9 @@ def build_module(name: str, **options):
 
 
 def init(module, x, mask):
-    """Variables of `module` from key(1), deterministic."""
-    return module.init(jax.random.key(1), x, mask, deterministic=True)
+    """Variables of `module` from key(1), deterministic (plain arrays: the logical axis
+    names the mechanisms declare are unboxed)."""
+    return nn.unbox(module.init(jax.random.key(1), x, mask, deterministic=True))
 
 
 # ---------------------------------------------------------------------------------------

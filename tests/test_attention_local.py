@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -61,7 +62,9 @@ def test_blocked_equals_dense_masked_attention(n, window, causal):
 def test_module_matches_reference_and_stats():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4)
-    params = {"params": module.init(jax.random.key(1), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(module.init(jax.random.key(1), x, mask, deterministic=True))["params"]
+    }
     out, stats = module.apply(params, x, mask, deterministic=True, mutable=["attention_stats"])
     q, k, v = dense_qkv(params, x)
     m = np.asarray(mask)
@@ -77,7 +80,7 @@ def test_module_matches_reference_and_stats():
 def test_padding_never_influences_real_tokens():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=6)
-    params = module.init(jax.random.key(2), x, mask, deterministic=True)
+    params = nn.unbox(module.init(jax.random.key(2), x, mask, deterministic=True))
     noise = 50.0 * jax.random.normal(jax.random.key(3), x.shape)
     apply = jax.jit(lambda x: module.apply(params, x, mask, deterministic=True))
     assert_padding_invariant(apply, x, mask, noise)
@@ -86,7 +89,9 @@ def test_padding_never_influences_real_tokens():
 def test_gradients_finite_and_no_retrace():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4, attention_dropout=0.1)
-    params = {"params": module.init(jax.random.key(4), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(module.init(jax.random.key(4), x, mask, deterministic=True))["params"]
+    }
 
     def apply(params, x, rng):
         return module.apply(params, x, mask, deterministic=False, rngs={"dropout": rng})

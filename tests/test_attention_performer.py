@@ -178,7 +178,7 @@ def test_fixed_features_differ_between_layers():
 
     x, mask = make_inputs()
     model = TwoLayers()
-    params = model.init(jax.random.key(1), x, mask)
+    params = nn.unbox(model.init(jax.random.key(1), x, mask))
     _, state = model.apply(params, x, mask, mutable=["intermediates"])
     (wa,) = state["intermediates"]["a"]["features"]
     (wb,) = state["intermediates"]["b"]["features"]

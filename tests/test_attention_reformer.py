@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -110,7 +111,7 @@ def test_one_bucket_equals_full_attention_without_self(causal):
     module = ReformerAttention(
         num_heads=2, head_dim=4, out_dim=8, num_hashes=1, num_buckets=1, chunk_len=16, causal=causal
     )
-    params = module.init(jax.random.key(3), x, mask, deterministic=True)
+    params = nn.unbox(module.init(jax.random.key(3), x, mask, deterministic=True))
     out = module.apply(params, x, mask, deterministic=True)
     qk, v = dense_qkv(params, x, names=("query_key", "value"))
     ref = dense_out(params, dense_shared_qk_reference(qk, v, mask, causal))
@@ -138,7 +139,7 @@ def test_chunked_multi_round_matches_loop_reference(n, chunk_len, num_buckets):
 def test_padding_never_influences_real_tokens():
     x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
-    params = module.init(jax.random.key(5), x, mask, deterministic=True)
+    params = nn.unbox(module.init(jax.random.key(5), x, mask, deterministic=True))
     noise = 50.0 * jax.random.normal(jax.random.key(6), x.shape)
     apply = jax.jit(
         lambda x: module.apply(
@@ -151,7 +152,7 @@ def test_padding_never_influences_real_tokens():
 def test_hash_rng_sample_stream_and_fixed_key():
     x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
-    params = module.init(jax.random.key(8), x, mask, deterministic=True)
+    params = nn.unbox(module.init(jax.random.key(8), x, mask, deterministic=True))
 
     @jax.jit
     def apply(rng):
@@ -168,7 +169,9 @@ def test_gradients_finite_and_no_retrace():
     module = ReformerAttention(
         num_heads=2, head_dim=4, out_dim=8, chunk_len=4, attention_dropout=0.1
     )
-    params = {"params": module.init(jax.random.key(9), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(module.init(jax.random.key(9), x, mask, deterministic=True))["params"]
+    }
 
     def apply(params, x, rng):
         r1, r2 = jax.random.split(rng)

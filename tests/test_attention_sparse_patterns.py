@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +120,7 @@ def test_bad_options_name_the_field():
         SparseFixedAttention(num_heads=2, head_dim=4, out_dim=8, stride=3, c=4).init(
             jax.random.key(0), x, mask, deterministic=True
         )
+
     with pytest.raises(ValueError, match="attention_options.stride"):
         SparseStridedAttention(num_heads=2, head_dim=4, out_dim=8, stride=0).init(
             jax.random.key(0), x, mask, deterministic=True
@@ -208,7 +210,9 @@ def test_module_matches_dense_reference(case, num_heads):
     cls, options, masks = MODULES[case]
     x, mask = module_inputs(0)
     module = cls(num_heads=num_heads, head_dim=4, out_dim=8, **options)
-    params = {"params": module.init(jax.random.key(2), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(module.init(jax.random.key(2), x, mask, deterministic=True))["params"]
+    }
     out = module.apply(params, x, mask, deterministic=True)
     ref = module_reference(params, x, mask, masks(x.shape[1], num_heads))
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
@@ -222,7 +226,11 @@ def test_default_stride_is_round_sqrt_n():
         (SparseFixedAttention, {"stride": 5, "c": 1}),
     ]:
         default = cls(num_heads=2, head_dim=4, out_dim=8)
-        params = {"params": default.init(jax.random.key(0), x, mask, deterministic=True)["params"]}
+        params = {
+            "params": nn.unbox(default.init(jax.random.key(0), x, mask, deterministic=True))[
+                "params"
+            ]
+        }
         explicit_module = cls(num_heads=2, head_dim=4, out_dim=8, **explicit)
         np.testing.assert_array_equal(
             default.apply(params, x, mask, deterministic=True),
@@ -234,7 +242,7 @@ def test_default_stride_is_round_sqrt_n():
 def test_padding_never_influences_real_tokens(cls):
     x, mask = module_inputs(0)
     module = cls(num_heads=2, head_dim=4, out_dim=8, stride=3)
-    params = module.init(jax.random.key(3), x, mask, deterministic=True)
+    params = nn.unbox(module.init(jax.random.key(3), x, mask, deterministic=True))
     noise = 100.0 * jax.random.normal(jax.random.key(4), x.shape)
     assert_padding_invariant(
         lambda x: module.apply(params, x, mask, deterministic=True), x, mask, noise
@@ -245,7 +253,9 @@ def test_padding_never_influences_real_tokens(cls):
 def test_gradients_finite_stats_and_no_retrace(cls):
     x, mask = module_inputs(0)
     module = cls(num_heads=2, head_dim=4, out_dim=8, attention_dropout=0.1)
-    params = {"params": module.init(jax.random.key(5), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(module.init(jax.random.key(5), x, mask, deterministic=True))["params"]
+    }
 
     def apply(params, x, rng):
         return module.apply(
@@ -335,7 +345,9 @@ def test_blocked_matches_loop_reference_and_mask_impl(cls, options, heads, n, le
     blocked = cls(num_heads=heads, head_dim=4, out_dim=8, **options)
     masked = cls(num_heads=heads, head_dim=4, out_dim=8, impl="mask", **options)
     assert blocked.impl == "blocked"  # the default
-    params = {"params": blocked.init(jax.random.key(2), x, mask, deterministic=True)["params"]}
+    params = {
+        "params": nn.unbox(blocked.init(jax.random.key(2), x, mask, deterministic=True))["params"]
+    }
     target = jax.random.normal(jax.random.key(9), (2, n, 8))
 
     def loss_fn(module):

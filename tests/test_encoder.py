@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -61,7 +62,7 @@ def test_full_attention_matches_numpy_reference_and_sows_density():
     x = rng.normal(size=(2, 5, 8)).astype(np.float32)
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
     attn = build_attention("full", num_heads=2, head_dim=3, out_dim=8)
-    variables = attn.init(jax.random.PRNGKey(0), x, mask, deterministic=True)
+    variables = nn.unbox(attn.init(jax.random.PRNGKey(0), x, mask, deterministic=True))
     out, stats = attn.apply(
         {"params": variables["params"]}, x, mask, deterministic=True, mutable=[STATS_COLLECTION]
     )
@@ -77,7 +78,7 @@ def test_full_attention_dropout_uses_dropout_stream_and_is_inverted():
     x = np.random.default_rng(1).normal(size=(1, 6, 8)).astype(np.float32)
     mask = np.ones((1, 6), bool)
     attn = build_attention("full", num_heads=2, head_dim=4, out_dim=8, attention_dropout=0.5)
-    params = attn.init(jax.random.PRNGKey(0), x, mask, deterministic=True)["params"]
+    params = nn.unbox(attn.init(jax.random.PRNGKey(0), x, mask, deterministic=True))["params"]
     det = attn.apply({"params": params}, x, mask, deterministic=True)
     a = attn.apply(
         {"params": params}, x, mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}
@@ -103,7 +104,9 @@ def test_padding_never_changes_real_token_outputs(pooling):
     rng = np.random.default_rng(2)
     short = rng.integers(1, 11, size=(2, 7)).astype(np.int32)
     mask_short = np.ones((2, 7), bool)
-    params = model.init(jax.random.PRNGKey(0), short, mask_short, deterministic=True)["params"]
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), short, mask_short, deterministic=True))[
+        "params"
+    ]
     out_short = model.apply({"params": params}, short, mask_short, deterministic=True)
     # Same sequences padded to 12 with arbitrary (non-zero) garbage ids.
     long = rng.integers(1, 11, size=(2, 12)).astype(np.int32)
@@ -115,7 +118,9 @@ def test_padding_never_changes_real_token_outputs(pooling):
     np.testing.assert_allclose(out_long[:, :7], out_short, rtol=1e-5, atol=1e-5)
     # Sequence-level outputs (pooled) are also unchanged.
     clf = build_model(model_config(pooling=pooling), "classification")
-    cparams = clf.init(jax.random.PRNGKey(0), short, mask_short, deterministic=True)["params"]
+    cparams = nn.unbox(clf.init(jax.random.PRNGKey(0), short, mask_short, deterministic=True))[
+        "params"
+    ]
     np.testing.assert_allclose(
         clf.apply({"params": cparams}, long, mask_long, deterministic=True),
         clf.apply({"params": cparams}, short, mask_short, deterministic=True),
@@ -137,7 +142,7 @@ def test_encoder_mean_and_cls_pooling_against_token_outputs():
     mask = inputs > 0
     for pooling in ("mean", "cls"):
         enc = build_model(model_config(pooling=pooling), "token").encoder
-        variables = enc.init(jax.random.PRNGKey(0), inputs, mask, deterministic=True)
+        variables = nn.unbox(enc.init(jax.random.PRNGKey(0), inputs, mask, deterministic=True))
         tokens, out_mask, pooled = enc.apply(
             {"params": variables["params"]}, inputs, mask, deterministic=True
         )
@@ -189,7 +194,9 @@ def test_dual_encoder_features_and_model():
     model = build_model(model_config(), "dual_encoder")
     a = np.array([[1, 2, 3, 0]], np.int32)
     b = np.array([[4, 5, 0, 0]], np.int32)
-    params = model.init(jax.random.PRNGKey(0), a, a > 0, b, b > 0, deterministic=True)["params"]
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), a, a > 0, b, b > 0, deterministic=True))[
+        "params"
+    ]
     logits = model.apply({"params": params}, a, a > 0, b, b > 0, deterministic=True)
     assert logits.shape == (1, 3)
     # Reference: run the shared encoder on each sequence alone, then the head.
@@ -216,7 +223,7 @@ def test_encoder_with_sbm_attention_runs_and_sows_stats():
     model = build_model(cfg, "token")
     x = np.array([[1, 2, 3, 4, 0, 0]], np.int32)
     rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
-    params = model.init(rngs, x, x > 0, deterministic=True)["params"]
+    params = nn.unbox(model.init(rngs, x, x > 0, deterministic=True))["params"]
     out, stats = model.apply(
         {"params": params},
         x,

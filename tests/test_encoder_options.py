@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -37,7 +38,7 @@ def _inputs(batch: int = 2, length: int = 10):
 
 def _init(model: Encoder, tokens, mask):
     rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
-    return model.init(rngs, tokens, mask, deterministic=True)["params"]
+    return nn.unbox(model.init(rngs, tokens, mask, deterministic=True))["params"]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Fast edge kernels against the segment reference, the dense reference and numpy loops."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,7 +193,7 @@ def _layer_outputs(kernel: str, with_grad: bool):
         )
 
     rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
-    init = jax.jit(lambda x: build("segment").init(rngs, x, mask, deterministic=False))
+    init = jax.jit(lambda x: nn.unbox(build("segment").init(rngs, x, mask, deterministic=False)))
     params = {"params": init(x)["params"]}
 
     def f(p, x):

@@ -6,6 +6,7 @@ scores, softmax and accumulation stay float32); an encoder in bf16 matches its f
 twin, same float32 parameters, to 0.1 in the logits.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -81,7 +82,9 @@ def test_bf16_encoder_matches_float32_with_float32_params():
     mask = jnp.arange(16)[None, :] < jnp.array([[16], [12], [9], [16]])
     f32_model = build_model(_model_config("float32"), "classification")
     bf16_model = build_model(_model_config("bfloat16"), "classification")
-    params = f32_model.init(jax.random.PRNGKey(0), tokens, mask, deterministic=True)["params"]
+    params = nn.unbox(f32_model.init(jax.random.PRNGKey(0), tokens, mask, deterministic=True))[
+        "params"
+    ]
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
     ref = f32_model.apply({"params": params}, tokens, mask, deterministic=True)
     low = bf16_model.apply({"params": params}, tokens, mask, deterministic=True)

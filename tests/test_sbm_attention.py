@@ -1,5 +1,6 @@
 """SBMAttention: path choice, same law on sparse and dense paths, density, padding, retracing."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +46,7 @@ def _init(mod, x):
         # max_dense_elements is lifted too: a module that rules the dense path out has the
         # same parameters, and this test file must not depend on which test runs first.
         dense = mod.clone(impl="dense", max_dense_elements=2**31)
-        _PARAMS[sig] = dense.init(rngs, x, MASK)["params"]
+        _PARAMS[sig] = nn.unbox(dense.init(rngs, x, MASK))["params"]
     return _PARAMS[sig]
 
 
@@ -559,6 +560,7 @@ def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
         ValueError, match=rf"{need_slots} slots, over max_edge_slots=100.*{4 * L * L}"
     ):
         mod.init({"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}, _x(), MASK)
+
     # A length whose n*m overflows the int32 edge keys, with the dense path ruled out.
     with pytest.raises(ValueError, match="length=50000"):
         plan_paths(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,), max_dense_elements=0)

@@ -75,6 +75,17 @@ SCRIPT = textwrap.dedent(
                     shard_shapes=sorted({tuple(s.data.shape) for s in kernel.addressable_shards}),
                     devices=len(kernel.addressable_shards),
                     count_spec=list(new.opt_state[0].count.sharding.spec),
+                    # every parameter split over "heads": its head axis and shard sizes
+                    split={
+                        "/".join(k.key for k in path): [
+                            list(p.sharding.spec).index("heads"),
+                            p.shape[list(p.sharding.spec).index("heads")],
+                            sorted({s.data.shape[list(p.sharding.spec).index("heads")]
+                                    for s in p.addressable_shards}),
+                        ]
+                        for path, p in jax.tree_util.tree_flatten_with_path(new.params)[0]
+                        if "heads" in list(p.sharding.spec)
+                    },
                 )
             return jax.device_get((new.params, m["loss"], m.get("density", 0.0)))
 
@@ -152,6 +163,17 @@ def test_sharded_step_matches_single_device_and_reference(mechanism):
         assert layout["count_spec"] == [], layout
         assert layout["devices"] == 8, layout
         assert layout["shard_shapes"] == [[dim, num_heads // 2, head_dim]], layout
+        # every per-head parameter (found by its logical axis names) is split, one head
+        # a device, and nothing else is
+        per_head = [f"{p}/{w}" for p in ("query", "key", "value") for w in ("kernel", "bias")]
+        per_head += ["out/kernel"]
+        if mech == "sbm":
+            per_head += ["clusters", "mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2"]
+        split = layout["split"]
+        assert sorted(p.split("attention/", 1)[1] for p in split) == sorted(per_head), split
+        for path, (axis, size, shards) in split.items():
+            want_axis = 1 if path.endswith(("query/kernel", "key/kernel", "value/kernel")) else 0
+            assert (axis, size, shards) == (want_axis, num_heads, [1]), (path, split[path])
     if mechanism == "full":
         scale = max(result["full"]["param_scale"], 1.0)
         for name in ("accum2_eight", "accum2_data4_heads2"):

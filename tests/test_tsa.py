@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,7 +70,7 @@ def make_inputs(seed: int = 0, lengths=(L, 4)):
 def random_params(module, *inputs, seed: int = 0, scale: float = 0.5):
     """Parameters of the module's shapes, filled from numpy (shapes via eval_shape, no compile)."""
     shapes = jax.eval_shape(
-        lambda: module.init(jax.random.key(0), *inputs, deterministic=True)["params"]
+        lambda: nn.unbox(module.init(jax.random.key(0), *inputs, deterministic=True))["params"]
     )
     rng = np.random.default_rng(seed)
     return jax.tree.map(
@@ -242,10 +243,12 @@ def test_registry_builds_tsa_and_rejects_bad_options():
         build_attention("tsa", options={"damping": 1.0}, **fields).init(
             jax.random.key(0), jnp.asarray(x), jnp.asarray(mask), deterministic=True
         )
+
     with pytest.raises(ValueError, match="model.attention_options.projection"):
         build_attention("tsa", options={"projection": "cp"}, **fields).init(
             jax.random.key(0), jnp.asarray(x), jnp.asarray(mask), deterministic=True
         )
+
     with pytest.raises(ValueError, match="model.attention_options.window"):
         build_attention("tsa", options={"window": 3}, **fields)
 

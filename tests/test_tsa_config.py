@@ -1,5 +1,6 @@
 """The TSA text classifier as a model config: it builds from config and trains."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ def test_config_builds_the_tsa_classifier_and_trains():
     assert model.hidden_dim == 20 and model.num_heads == 2
     batch = next(task.train_batches(0))
     rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-    params = model.init(rngs, **task.model_inputs(batch), deterministic=True)["params"]
+    params = nn.unbox(model.init(rngs, **task.model_inputs(batch), deterministic=True))["params"]
     logits = model.apply({"params": params}, **task.model_inputs(batch), deterministic=True)
     assert logits.shape == (batch["inputs"].shape[0], config.model.num_classes)
     assert np.isfinite(np.asarray(logits)).all()

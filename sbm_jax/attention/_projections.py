@@ -4,6 +4,13 @@ Each of these mechanisms makes the same per-head Q/K/V projections and the same 
 projection as the other registered mechanisms (``query``, ``key``, ``value``, ``out``
 ``DenseGeneral`` layers), checks its inputs the same way, and does its numerically
 delicate work (exponentials, normalisers, pseudo-inverses) in at least float32.
+
+Every mechanism's parameters carry logical axis names (flax partitioning metadata,
+``nn.with_logical_partitioning``): ``heads`` names a per-head axis, the other names
+(``embed``, ``kv``, ...) the rest. ``sbm_jax.training.sharding`` maps ``heads`` to the
+mesh's ``heads`` axis and every other name to replication, so a mechanism's per-head
+parameters split over ``heads`` whatever the parameters are called. ``Module.init``
+returns the parameters boxed (``nn.Partitioned``); ``nn.unbox`` gives the plain arrays.
 """
 
 from __future__ import annotations
@@ -19,6 +26,48 @@ Array = jax.Array
 # Finite stand-in for -inf in masked logits: a fully masked row then gives a uniform
 # softmax (finite, and discarded by the caller) instead of NaN in the forward or backward.
 MASKED_LOGIT = -1e30
+
+# Logical axis names of the mechanisms' parameters.
+HEADS = "heads"  # a per-head axis: split over the mesh's ``heads`` axis
+EMBED = "embed"  # the model width (input of the projections, output of ``out``)
+KV = "kv"  # the per-head width of queries, keys and values
+
+# flax's own defaults of ``DenseGeneral``, so the names change no initial value.
+_KERNEL_INIT = nn.initializers.lecun_normal()
+_BIAS_INIT = nn.initializers.zeros_init()
+
+
+def named(init: nn.initializers.Initializer, *names: str | None) -> Any:
+    """``init`` whose parameter carries the logical axis names ``names`` (one per axis)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def head_dense(
+    num_heads: int, head_dim: int, dtype: Any, name: str, use_bias: bool = True
+) -> nn.DenseGeneral:
+    """Per-head projection x [..., dim] -> [..., num_heads, head_dim]: kernel
+    ``[dim, H, hd]`` named ``(embed, heads, kv)``, bias ``[H, hd]`` named ``(heads, kv)``."""
+    return nn.DenseGeneral(
+        (num_heads, head_dim),
+        use_bias=use_bias,
+        dtype=dtype,
+        kernel_init=named(_KERNEL_INIT, EMBED, HEADS, KV),
+        bias_init=named(_BIAS_INIT, HEADS, KV),
+        name=name,
+    )
+
+
+def out_dense(out_dim: int, dtype: Any, name: str = "out") -> nn.DenseGeneral:
+    """Output projection y [..., H, hd] -> [..., out_dim]: kernel ``[H, hd, out_dim]``
+    named ``(heads, kv, embed)``, bias ``[out_dim]`` named ``(embed,)``."""
+    return nn.DenseGeneral(
+        out_dim,
+        axis=(-2, -1),
+        dtype=dtype,
+        kernel_init=named(_KERNEL_INIT, HEADS, KV, EMBED),
+        bias_init=named(_BIAS_INIT, EMBED),
+        name=name,
+    )
 
 
 def check_inputs(x: Array, mask: Array) -> None:
@@ -46,10 +95,9 @@ def project_qkv(x: Array, num_heads: int, head_dim: int, dtype: Any) -> tuple[Ar
     x [batch, length, dim] -> (q, k, v), each [batch, length, num_heads, head_dim], made by
     submodules named ``query``, ``key`` and ``value`` of the calling module.
     """
-    features = (num_heads, head_dim)
-    q = nn.DenseGeneral(features, dtype=dtype, name="query")(x)
-    k = nn.DenseGeneral(features, dtype=dtype, name="key")(x)
-    v = nn.DenseGeneral(features, dtype=dtype, name="value")(x)
+    q = head_dense(num_heads, head_dim, dtype, "query")(x)
+    k = head_dense(num_heads, head_dim, dtype, "key")(x)
+    v = head_dense(num_heads, head_dim, dtype, "value")(x)
     return q, k, v
 
 
@@ -58,7 +106,7 @@ def project_out(y: Array, out_dim: int, dtype: Any) -> Array:
 
     y [batch, length, heads, head_dim] -> [batch, length, out_dim] (submodule ``out``).
     """
-    return nn.DenseGeneral(out_dim, axis=(-2, -1), dtype=dtype, name="out")(y.astype(dtype))
+    return out_dense(out_dim, dtype)(y.astype(dtype))
 
 
 def masked_softmax(logits: Array, mask: Array, axis: int = -1) -> Array:

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention._projections import head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
@@ -73,9 +74,7 @@ class FullAttention(nn.Module):
         mask = mask.astype(jnp.bool_)
 
         def project(name: str) -> Array:
-            dense = nn.DenseGeneral(
-                features=(self.num_heads, self.head_dim), dtype=self.dtype, name=name
-            )
+            dense = head_dense(self.num_heads, self.head_dim, self.dtype, name)
             return dense(x)  # [batch, length, heads, head_dim]
 
         q, k, v = project("query"), project("key"), project("value")
@@ -101,7 +100,5 @@ class FullAttention(nn.Module):
         self.sow(STATS_COLLECTION, "density", density)
         self.sow(STATS_COLLECTION, "edges", edges)
 
-        out = nn.DenseGeneral(features=self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(
-            out
-        )
+        out = out_dense(self.out_dim, self.dtype)(out)
         return out  # [batch, length, out_dim]

@@ -27,6 +27,7 @@ from sbm_jax.attention._projections import (
     check_positive,
     compute_dtype,
     dropout_weights,
+    named,
     project_out,
     project_qkv,
 )
@@ -118,7 +119,8 @@ class LinformerAttention(nn.Module):
                 f"input length {length} exceeds model.attention_options.max_len="
                 f"{self.max_len} of the linformer projections; raise max_len"
             )
-        init = nn.initializers.normal(stddev=self.proj_len**-0.5)
+        # shared by all heads: no head axis (replicated on a heads mesh)
+        init = named(nn.initializers.normal(stddev=self.proj_len**-0.5), "length", "proj")
         shape = (self.max_len, self.proj_len)
         proj_k = self.param("proj_k", init, shape)
         proj_v = proj_k if self.share_kv else self.param("proj_v", init, shape)

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention._projections import head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.masked import masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -163,10 +164,9 @@ class LocalAttention(nn.Module):
             raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
         if self.window < 0:
             raise ValueError(f"model.attention_options.window must be >= 0, got {self.window}")
-        features = (self.num_heads, self.head_dim)
-        q = nn.DenseGeneral(features, dtype=self.dtype, name="query")(x)
-        k = nn.DenseGeneral(features, dtype=self.dtype, name="key")(x)
-        v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
+        q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
+        k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)
+        v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)
         rng = None
         if not deterministic and self.attention_dropout > 0.0:
             rng = self.make_rng("dropout")
@@ -186,4 +186,4 @@ class LocalAttention(nn.Module):
         heads_shape = (x.shape[0], self.num_heads)
         self.sow(STATS_COLLECTION, "density", jnp.broadcast_to(density[:, None], heads_shape))
         self.sow(STATS_COLLECTION, "edges", jnp.broadcast_to(edges[:, None], heads_shape))
-        return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return out_dense(self.out_dim, self.dtype)(out)

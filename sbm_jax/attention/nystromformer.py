@@ -35,11 +35,13 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
+    HEADS,
     check_inputs,
     check_positive,
     compute_dtype,
     dropout_weights,
     masked_softmax,
+    named,
     project_out,
     project_qkv,
 )
@@ -233,8 +235,15 @@ class NystromformerAttention(nn.Module):
             feature_group_count=self.num_heads,
             padding=(((size - 1) // 2, size // 2), (0, 0)),
             use_bias=False,
-            # PyTorch's Conv2d default, as in the reference: U(+-1/sqrt(fan_in)).
-            kernel_init=nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"),
+            # PyTorch's Conv2d default, as in the reference: U(+-1/sqrt(fan_in)); the
+            # kernel [size, 1, 1, H] holds one filter per head (the output channel).
+            kernel_init=named(
+                nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"),
+                "conv_length",
+                "conv_width",
+                "conv_in",
+                HEADS,
+            ),
             dtype=v.dtype,
             name="value_conv",
         )

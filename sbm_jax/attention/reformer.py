@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention._projections import head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
@@ -246,9 +247,8 @@ class ReformerAttention(nn.Module):
                 f"model.attention_options.num_buckets must be 1 or an even number >= 2, "
                 f"got {num_buckets}"
             )
-        features = (self.num_heads, self.head_dim)
-        qk = nn.DenseGeneral(features, dtype=self.dtype, name="query_key")(x)
-        v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
+        qk = head_dense(self.num_heads, self.head_dim, self.dtype, "query_key")(x)
+        v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)
         batch = x.shape[0]
         if num_buckets == 1:
             buckets = jnp.zeros((batch, self.num_hashes, self.num_heads, n), jnp.int32)
@@ -276,4 +276,4 @@ class ReformerAttention(nn.Module):
             dropout_rng=rng,
             deterministic=deterministic,
         )
-        return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return out_dense(self.out_dim, self.dtype)(out)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax.attention._projections import HEADS, KV, head_dense, named, out_dense
 from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
@@ -628,19 +629,26 @@ class SBMAttention(nn.Module):
         heads, hd, k = self.num_heads, self.head_dim, self.num_clusters
         out_dim = self.out_dim or dim
 
-        proj = partial(nn.DenseGeneral, features=(heads, hd), dtype=self.dtype)
-        q = proj(name="query")(x)  # [B, L, H, hd]
-        kk = proj(name="key")(x)
-        v = proj(name="value")(x)
+        q = head_dense(heads, hd, self.dtype, "query")(x)  # [B, L, H, hd]
+        kk = head_dense(heads, hd, self.dtype, "key")(x)
+        v = head_dense(heads, hd, self.dtype, "value")(x)
 
-        clusters = self.param("clusters", cluster_initializer(self.cluster_init), (heads, k, hd))
+        # Logical axis names: per head (or one shared MLP: no head axis), the MLP's
+        # input and hidden widths (kv, mlp) and the clusters.
+        clusters = self.param(
+            "clusters",
+            named(cluster_initializer(self.cluster_init), HEADS, "clusters", KV),
+            (heads, k, hd),
+        )
+        lead = () if self.shared_mlp else (HEADS,)
         mlp_shape = (hd, hd) if self.shared_mlp else (heads, hd, hd)
         bias_shape = (hd,) if self.shared_mlp else (heads, hd)
         init = nn.initializers.lecun_normal()
-        w1 = self.param("mlp_w1", init, mlp_shape)
-        b1 = self.param("mlp_b1", nn.initializers.zeros, bias_shape)
-        w2 = self.param("mlp_w2", init, mlp_shape)
-        b2 = self.param("mlp_b2", nn.initializers.zeros, bias_shape)
+        zeros = nn.initializers.zeros
+        w1 = self.param("mlp_w1", named(init, *lead, KV, "mlp"), mlp_shape)
+        b1 = self.param("mlp_b1", named(zeros, *lead, "mlp"), bias_shape)
+        w2 = self.param("mlp_w2", named(init, *lead, "mlp", KV), mlp_shape)
+        b2 = self.param("mlp_b2", named(zeros, *lead, KV), bias_shape)
 
         def node_embed(t: jax.Array) -> jax.Array:  # [B, L, H, hd] -> [B, L, H, hd]
             t = t.astype(jnp.float32)
@@ -694,4 +702,4 @@ class SBMAttention(nn.Module):
             self.sow(MAPS_COLLECTION, "k_memberships", jnp.where(real, k_memb, 0.0))
             self.sow(MAPS_COLLECTION, "block", block)
         out = out.transpose(0, 2, 1, 3).astype(self.dtype)  # [B, L, H, hd]
-        return nn.DenseGeneral(out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return out_dense(out_dim, self.dtype)(out)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sbm_jax.attention._projections import head_dense, out_dense
 from sbm_jax.attention.counting import edge_flops, projection_flops, projection_params
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -257,10 +258,9 @@ class _PatternAttention(nn.Module):
             raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
         n = x.shape[1]
         options = self.blocked_options(n)  # validates the options before any tracing
-        features = (self.num_heads, self.head_dim)
-        q = nn.DenseGeneral(features, dtype=self.dtype, name="query")(x)
-        k = nn.DenseGeneral(features, dtype=self.dtype, name="key")(x)
-        v = nn.DenseGeneral(features, dtype=self.dtype, name="value")(x)
+        q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
+        k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)
+        v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)
         rng = None
         if not deterministic and self.attention_dropout > 0.0:
             rng = self.make_rng("dropout")
@@ -277,7 +277,7 @@ class _PatternAttention(nn.Module):
             density = edges / jnp.maximum(real * real, 1.0)[:, None]
         self.sow(STATS_COLLECTION, "density", density)
         self.sow(STATS_COLLECTION, "edges", edges)
-        return nn.DenseGeneral(self.out_dim, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return out_dense(self.out_dim, self.dtype)(out)
 
 
 def sparse_strided_flops(

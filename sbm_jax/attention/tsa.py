@@ -27,9 +27,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax.attention._projections import HEADS, head_dense, named
 from sbm_jax.attention.counting import projection_flops
 from sbm_jax.attention.registry import STATS_COLLECTION, register
-from sbm_jax.layers.tt import TTDense, tt_core_shapes, tt_modes, tt_num_params, tt_ranks
+from sbm_jax.layers.tt import (
+    TTDense,
+    tt_core_shapes,
+    tt_core_stddev,
+    tt_modes,
+    tt_normal_init,
+    tt_num_params,
+    tt_ranks,
+)
 
 Array = jax.Array
 
@@ -163,15 +172,17 @@ class TensorizedSpectralAttention(nn.Module):
                 f"tsa: attention_dropout={self.attention_dropout!r} must lie in [0, 1)"
             )
 
-    def _head_projection(self, name: str) -> nn.Module:
-        """x [B, L, D] -> [B, L, heads, head_dim], independent weights per head."""
+    def _head_projection(self, name: str, in_dim: int) -> nn.Module:
+        """x [B, L, in_dim] -> [B, L, heads, head_dim], independent weights per head.
+
+        The per-head parameters carry logical axis names with ``heads`` on the head
+        axis: the dense kernel ``[D, H, hd]``, and each TT core ``[H, R, I, J, R']`` and
+        bias ``[H, hd]`` (``vmap`` adds the leading head axis and its name)."""
         if self.projection == "dense":
-            return nn.DenseGeneral(
-                features=(self.num_heads, self.head_dim),
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                name=name,
+            return head_dense(
+                self.num_heads, self.head_dim, self.dtype, name, use_bias=self.use_bias
             )
+        in_modes, _, ranks = TTDense(self.head_dim, self.tt_rank, parent=None).shapes(in_dim)
         per_head = nn.vmap(
             TTDense,
             variable_axes={"params": 0},
@@ -179,12 +190,22 @@ class TensorizedSpectralAttention(nn.Module):
             in_axes=None,
             out_axes=-2,
             axis_size=self.num_heads,
+            metadata_params={nn.PARTITION_NAME: HEADS},
         )
         return per_head(
             features=self.head_dim,
             rank=self.tt_rank,
             use_bias=self.use_bias,
             dtype=self.dtype,
+            # TTDense's own defaults, with logical axis names
+            core_init=named(
+                tt_normal_init(tt_core_stddev(in_modes, ranks)),
+                "tt_rank_in",
+                "tt_in",
+                "tt_out",
+                "tt_rank_out",
+            ),
+            bias_init=named(nn.initializers.zeros_init(), "kv"),
             name=name,
         )
 
@@ -202,8 +223,8 @@ class TensorizedSpectralAttention(nn.Module):
         # Projections run in self.dtype; the graph and filter in at least float32 (the
         # filter sums up to L terms per output).
         work = jnp.promote_types(self.dtype, jnp.float32)
-        k = self._head_projection("key")(x).astype(work)  # [B, L, H, Dh]
-        v = self._head_projection("value")(x).astype(work)  # [B, L, H, Dh]
+        k = self._head_projection("key", x.shape[-1])(x).astype(work)  # [B, L, H, Dh]
+        v = self._head_projection("value", x.shape[-1])(x).astype(work)  # [B, L, H, Dh]
         psi = spectral_adjacency(k, mask, self.damping)  # [B, H, L, L]
 
         pair = mask[:, None, :, None] & mask[:, None, None, :]

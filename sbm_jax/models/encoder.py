@@ -79,10 +79,16 @@ def scale_output_projection(variables: Any, *, scale: float, attention: str) -> 
             f"projection {OUTPUT_PROJECTION!r}; its parameters are {sorted(params)}"
         )
     out = dict(out)
+
+    def scaled(x: Any) -> Any:  # keeps the logical axis names of a boxed parameter
+        if isinstance(x, nn.Partitioned):
+            return x.replace_boxed(x.value * scale)
+        return x * scale
+
     if "kernel" in out:
-        out["kernel"] = out["kernel"] * scale
+        out["kernel"] = scaled(out["kernel"])
     elif "core_0" in out:
-        out["core_0"] = out["core_0"] * scale
+        out["core_0"] = scaled(out["core_0"])
     else:
         raise ValueError(
             f"model.scaled_residual_init: the output projection of attention {attention!r} "

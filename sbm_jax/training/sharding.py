@@ -3,27 +3,35 @@
 Batches are split over ``data`` only (every device of a ``heads`` row sees the same
 examples). Parameters, and the optimizer state that mirrors them, are replicated
 except the per-head attention parameters, which are split over ``heads`` on their
-head axis, so each device computes (and SBM samples graphs for) its own heads:
+head axis, so each device computes (and SBM samples graphs for) its own heads.
 
-==========================================  =================  =========
-parameter (module / name)                   shape              head axis
-==========================================  =================  =========
-``query`` / ``key`` / ``value`` ``kernel``  ``[dim, H, hd]``   1
-``query`` / ``key`` / ``value`` ``bias``    ``[H, hd]``        0
-``out`` ``kernel``                          ``[H, hd, dim]``   0
-``clusters`` (SBM)                          ``[H, k, hd]``     0
-``mlp_w1`` / ``mlp_w2`` (SBM, per head)     ``[H, hd, hd]``    0
-``mlp_b1`` / ``mlp_b2`` (SBM, per head)     ``[H, hd]``        0
-==========================================  =================  =========
+Where the head axis comes from: every attention mechanism declares logical axis names
+on its parameters (flax partitioning metadata, ``nn.with_logical_partitioning``; the
+shared projections are ``sbm_jax.attention._projections.head_dense`` / ``out_dense``),
+with ``heads`` on each per-head axis. ``model.init`` returns the parameters boxed with
+those names; ``logical_axes`` reads them (``create_train_state`` keeps them on the train
+state as ``TrainState.param_axes``, then unboxes the parameters to plain arrays) and
+``LOGICAL_AXIS_RULES`` maps them to the mesh (``nn.logical_to_mesh_axes``):
 
-The head axis is recognised by the parameter's name, its parent module's name and its
-rank, so every mechanism built on the shared ``DenseGeneral`` projections
-(``sbm_jax.attention._projections``: full, linear, performer, linformer, nystromformer,
-...) gets the rule for free; anything else (embeddings, layer norms, the feed-forward
-blocks, the ``out`` bias, SBM's shared MLP ``[hd, hd]``, Linformer's projections, ...)
-is replicated, and so is a per-head parameter whose head axis is not a multiple of the
-mesh's ``heads`` size. With ``heads`` of size 1 (or no ``heads`` axis) everything is
-replicated: the 1-axis data-parallel layout.
+====================  ===============  ===============================================
+logical name          mesh axis        examples (shape, names)
+====================  ===============  ===============================================
+``heads``             ``heads``        ``query`` / ``key`` / ``value`` / Reformer's
+                                       ``query_key`` ``kernel`` ``[dim, H, hd]``
+                                       ``(embed, heads, kv)``, their ``bias`` ``[H, hd]``;
+                                       ``out`` ``kernel`` ``[H, hd, dim]``; SBM's
+                                       ``clusters`` ``[H, k, hd]`` and per-head
+                                       ``mlp_*``; TSA's per-head TT cores ``[H, ...]``;
+                                       Nystromformer's ``value_conv`` ``[s, 1, 1, H]``
+anything else         replicated       ``embed``, ``kv``, ``mlp``, ``clusters``,
+                                       ``length``, ... (the ``out`` bias, SBM's shared
+                                       MLP, Linformer's projections)
+====================  ===============  ===============================================
+
+A parameter without names (embeddings, layer norms, the feed-forward blocks, the
+classifier on top) is replicated, and so is a per-head parameter whose head axis is not a
+multiple of the mesh's ``heads`` size. With ``heads`` of size 1 (or no ``heads`` axis)
+everything is replicated: the 1-axis data-parallel layout.
 
 The optimizer state gets the same sharding leaf by leaf: a leaf whose key path ends
 with a parameter's full path and has that parameter's shape (optax's Adam ``mu`` and
@@ -33,20 +41,25 @@ is replicated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax.core import meta
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
 HEADS_AXIS = "heads"
 
-_PROJECTIONS = frozenset({"query", "key", "value"})
-_PER_HEAD_3D = frozenset({"clusters", "mlp_w1", "mlp_w2"})  # [H, ., .], head axis 0
-_PER_HEAD_2D = frozenset({"mlp_b1", "mlp_b2"})  # [H, hd], head axis 0
+# Logical axis name -> mesh axis; every name without a rule is replicated.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (("heads", HEADS_AXIS),)
+
+# (parameter path, its logical axis names) for every named parameter: hashable, so it
+# can ride on a train state as static metadata.
+ParamAxes = tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...]
 
 
 def make_data_heads_mesh(data: int, heads: int = 1) -> Mesh:
@@ -67,27 +80,8 @@ def heads_axis_size(mesh: Mesh | AbstractMesh) -> int:
     return int(dict(mesh.shape).get(HEADS_AXIS, 1))
 
 
-def head_axis(path: Sequence[str], shape: Sequence[int]) -> int | None:
-    """The head axis of the parameter at ``path`` (module names then the parameter's
-    name) with ``shape``, or None when it has no per-head axis (see the module's table)."""
-    if not path:
-        return None
-    name = path[-1]
-    parent = path[-2] if len(path) >= 2 else ""
-    ndim = len(shape)
-    if parent in _PROJECTIONS:
-        if name == "kernel" and ndim == 3:
-            return 1
-        if name == "bias" and ndim == 2:
-            return 0
-        return None
-    if parent == "out" and name == "kernel" and ndim == 3:
-        return 0
-    if name in _PER_HEAD_3D and ndim == 3:
-        return 0
-    if name in _PER_HEAD_2D and ndim == 2:
-        return 0
-    return None
+def _is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
 
 
 def _key_name(key: Any) -> str:
@@ -102,38 +96,93 @@ def _path_names(path: Sequence[Any]) -> tuple[str, ...]:
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
+    if _is_box(leaf):
+        leaf = leaf.unbox()
     return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
 
-def param_spec(path: Sequence[str], shape: Sequence[int], heads: int) -> P:
-    """PartitionSpec of one parameter on a mesh whose ``heads`` axis has ``heads`` devices."""
-    axis = head_axis(path, shape)
-    if heads <= 1 or axis is None or shape[axis] % heads:
+def logical_axes(params: Any) -> ParamAxes:
+    """The logical axis names of the parameters of ``params`` that carry them.
+
+    ``params``: parameters boxed by ``nn.with_logical_partitioning`` (what ``model.init``
+    returns, or ``jax.eval_shape`` of it). Returns ``((path, names), ...)``, ``path`` the
+    parameter's key names (as in the unboxed tree), ``names`` one per axis; plain leaves
+    have none and are left out.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
+    return tuple(
+        (_path_names(path), tuple(leaf.names))
+        for path, leaf in flat
+        if isinstance(leaf, nn.Partitioned)
+    )
+
+
+def unbox(params: Any) -> Any:
+    """``params`` with every logical-axes box replaced by its plain array."""
+    return meta.unbox(params)
+
+
+def param_spec(
+    names: Sequence[str | None] | None,
+    shape: Sequence[int],
+    mesh_shape: Mapping[str, int],
+    rules: Sequence[tuple[str, str | None]] = LOGICAL_AXIS_RULES,
+) -> P:
+    """PartitionSpec of one parameter with logical axis ``names`` (None: it has none)
+    and ``shape`` on a mesh of ``mesh_shape`` (axis name -> size), by ``rules``.
+
+    A mesh axis the mesh lacks or of size 1 splits nothing; an axis whose size is not a
+    multiple of its mesh axis' size replicates the whole parameter.
+    """
+    if names is None:
         return P()
-    spec: list[str | None] = [None] * len(shape)
-    spec[axis] = HEADS_AXIS
+    if len(names) != len(shape):
+        raise ValueError(f"logical axis names {tuple(names)} do not match shape {tuple(shape)}")
+    spec: list[Any] = []
+    for size, axis in zip(shape, nn.logical_to_mesh_axes(tuple(names), list(rules)), strict=True):
+        axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        devices = int(np.prod([int(mesh_shape.get(a, 1)) for a in axes]))
+        if devices <= 1:
+            spec.append(None)
+        elif size % devices:
+            return P()
+        else:
+            spec.append(axis)
+    if all(a is None for a in spec):
+        return P()
     return P(*spec)
 
 
-def param_sharding(params: Any, mesh: Mesh | AbstractMesh) -> Any:
-    """Pytree of ``NamedSharding`` (same structure as ``params``) by the module's rule."""
-    heads = heads_axis_size(mesh)
+def param_sharding(params: Any, mesh: Mesh | AbstractMesh, axes: ParamAxes | None = None) -> Any:
+    """Pytree of ``NamedSharding`` (the structure of the unboxed ``params``) by the
+    module's rule.
+
+    ``axes``: the parameters' logical axis names (``logical_axes``); None reads them from
+    the boxes in ``params`` (``model.init``'s output or its ``jax.eval_shape``).
+    """
+    by_path = dict(logical_axes(params) if axes is None else axes)
+    mesh_shape = dict(mesh.shape)
 
     def one(path: Sequence[Any], leaf: Any) -> NamedSharding:
-        return NamedSharding(mesh, param_spec(_path_names(path), _shape(leaf), heads))
+        names = by_path.get(_path_names(path))
+        return NamedSharding(mesh, param_spec(names, _shape(leaf), mesh_shape))
 
-    return jax.tree.map_with_path(one, params)
+    return jax.tree.map_with_path(one, params, is_leaf=_is_box)
 
 
-def tree_sharding(tree: Any, params: Any, mesh: Mesh | AbstractMesh) -> Any:
+def tree_sharding(
+    tree: Any, params: Any, mesh: Mesh | AbstractMesh, axes: ParamAxes | None = None
+) -> Any:
     """Shardings of any pytree holding ``params`` or mirrors of them (a train state, an
     optax state): a leaf whose key path ends with a parameter's full path and has its
-    shape gets that parameter's sharding; every other leaf is replicated."""
-    heads = heads_axis_size(mesh)
+    shape gets that parameter's sharding; every other leaf is replicated. ``axes`` as in
+    ``param_sharding``."""
+    by_names = dict(logical_axes(params) if axes is None else axes)
+    mesh_shape = dict(mesh.shape)
     by_path: dict[tuple[str, ...], tuple[tuple[int, ...], P]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]:
         names, shape = _path_names(path), _shape(leaf)
-        by_path[names] = (shape, param_spec(names, shape, heads))
+        by_path[names] = (shape, param_spec(by_names.get(names), shape, mesh_shape))
     lengths = sorted({len(k) for k in by_path}, reverse=True)
     replicated = NamedSharding(mesh, P())
 
@@ -146,13 +195,14 @@ def tree_sharding(tree: Any, params: Any, mesh: Mesh | AbstractMesh) -> Any:
                     return NamedSharding(mesh, hit[1])
         return replicated
 
-    return jax.tree.map_with_path(one, tree)
+    return jax.tree.map_with_path(one, tree, is_leaf=_is_box)
 
 
 def state_sharding(state: Any, mesh: Mesh | AbstractMesh) -> Any:
     """Shardings of a train state (``.params``, ``.opt_state``, ``.step``, ``.rng``):
-    the same pytree structure with a ``NamedSharding`` per leaf (``tree_sharding``)."""
-    return tree_sharding(state, state.params, mesh)
+    the same pytree structure with a ``NamedSharding`` per leaf (``tree_sharding``),
+    the parameters' logical axis names from ``state.param_axes`` (none: replicated)."""
+    return tree_sharding(state, state.params, mesh, getattr(state, "param_axes", None) or ())
 
 
 class StateShardedJit:

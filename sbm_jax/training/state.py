@@ -7,21 +7,28 @@ from typing import Any
 import flax.linen as nn
 import jax
 import optax
+from flax import struct
 from flax.training import train_state
 
+from sbm_jax.training.sharding import ParamAxes, logical_axes, unbox
 from sbm_jax.training.task import Batch, Task
 
 Array = jax.Array
 
 
 class TrainState(train_state.TrainState):
-    """Flax ``TrainState`` plus the base PRNG key.
+    """Flax ``TrainState`` plus the base PRNG key and the parameters' logical axes.
 
     The key for step ``s`` is ``fold_in(rng, s)``, so the state alone determines every
     later step: a loop restarted from a saved state reproduces an uninterrupted run.
+
+    ``param_axes`` (static metadata, not saved in checkpoints): the logical axis names
+    the model declared on its parameters (``sbm_jax.training.sharding.logical_axes``),
+    which ``state_sharding`` maps to the mesh; empty: every parameter is replicated.
     """
 
     rng: Array
+    param_axes: ParamAxes = struct.field(pytree_node=False, default=())
 
 
 def learning_rate_schedule(train: Any) -> optax.Schedule:
@@ -54,8 +61,11 @@ def make_optimizer(train: Any) -> optax.GradientTransformation:
     return adamw
 
 
-def init_params(model: nn.Module, task: Task, batch: Batch, rng: Array) -> Any:
-    """Model parameters from one example batch (only the ``params`` collection)."""
+def init_params_and_axes(
+    model: nn.Module, task: Task, batch: Batch, rng: Array
+) -> tuple[Any, ParamAxes]:
+    """Model parameters from one example batch (only the ``params`` collection, plain
+    arrays) and their logical axis names (``sharding.logical_axes``)."""
     params_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
     variables = jax.jit(
         lambda b: model.init(
@@ -64,13 +74,23 @@ def init_params(model: nn.Module, task: Task, batch: Batch, rng: Array) -> Any:
             deterministic=True,
         )
     )(batch)
-    return variables["params"]
+    boxed = variables["params"]
+    return unbox(boxed), logical_axes(boxed)
+
+
+def init_params(model: nn.Module, task: Task, batch: Batch, rng: Array) -> Any:
+    """Model parameters (plain arrays) from one example batch (``params`` collection)."""
+    return init_params_and_axes(model, task, batch, rng)[0]
 
 
 def create_train_state(config: Any, model: nn.Module, task: Task, batch: Batch) -> TrainState:
     """A fresh ``TrainState`` from ``config.seed``, initialised on ``batch``."""
     init_rng, step_rng = jax.random.split(jax.random.PRNGKey(int(config.seed)))
-    params = init_params(model, task, batch, init_rng)
+    params, axes = init_params_and_axes(model, task, batch, init_rng)
     return TrainState.create(
-        apply_fn=model.apply, params=params, tx=make_optimizer(config.train), rng=step_rng
+        apply_fn=model.apply,
+        params=params,
+        tx=make_optimizer(config.train),
+        rng=step_rng,
+        param_axes=axes,
     )
