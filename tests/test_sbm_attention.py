@@ -684,7 +684,7 @@ def test_memberships_are_sown_on_request_only():
     rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
     variables = jax.jit(mod.init)(rngs, x, MASK)
     assert MAPS_COLLECTION not in variables
-    params = variables["params"]
+    params = nn.unbox(variables["params"])
     run = jax.jit(
         lambda params, x, key: mod.apply(
             {"params": params},
