@@ -156,12 +156,9 @@ def test_pytree_dataclasses_behave_as_flax_struct_did(name):
 
 # --- the import graph between sbm_jax modules -------------------------------------------
 
-# Edges left out of the cycle check, each with why: a registry that imports its own
-# package on first lookup so that the built-in mechanisms register. sbm_jax/attention is
-# another part of issue 17's; when the edge goes, drop it here (the test below insists).
-ALLOWED_EDGES = {
-    ("sbm_jax.attention.registry", "sbm_jax.attention"): "lazy import registering built-ins",
-}
+# Edges left out of the cycle check, each with why (the test below insists each still
+# exists). None today: attention.registry no longer imports its own package.
+ALLOWED_EDGES: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path, root: Path) -> str:

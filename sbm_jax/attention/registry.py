@@ -156,15 +156,19 @@ def register(
     return wrap
 
 
+# The built-in mechanisms need no import here: Python runs the package's __init__ (which
+# imports every mechanism module, each registering itself) before this module can be
+# reached as ``sbm_jax.attention.registry``, so the registry is full by the time any of
+# these functions runs.
+
+
 def available() -> list[str]:
     """Sorted names of every registered mechanism."""
-    _import_builtin()
     return sorted(_REGISTRY)
 
 
 def get_mechanism(name: str, field: str = "model.attention") -> Mechanism:
     """The registry entry of ``name``; the error names the config ``field``."""
-    _import_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -193,8 +197,3 @@ def build_attention(
     mechanism = get_mechanism(name)
     options = mechanism.check_options(options, given=fields)
     return mechanism.module(**fields, **options)
-
-
-def _import_builtin() -> None:
-    # Importing the package registers the built-in mechanisms.
-    import sbm_jax.attention  # noqa: F401
