@@ -88,7 +88,7 @@ def test_other_bad_fields_are_named():
         ("model", "num_layers", 0, "model.num_layers"),
         ("train", "learning_rate", -1.0, "train.learning_rate"),
         ("train", "warmup_steps", 10_000, "train.warmup_steps"),
-        ("train", "density_lambda", -0.1, "train.density_lambda"),
+        ("train", "density_lambda", float("nan"), "train.density_lambda"),
         ("train", "num_steps", 0, "train.num_steps"),
     ]
     for section, name, value, field in cases:

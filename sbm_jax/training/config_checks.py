@@ -22,6 +22,7 @@ Decisions:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -202,10 +203,16 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     factor = train.get("end_learning_rate_factor")
     if not isinstance(factor, (int, float)) or not 0.0 <= factor <= 1.0:
         errors.append(f"train.end_learning_rate_factor={factor!r} must lie in [0, 1]")
-    for name in ("weight_decay", "density_lambda", "grad_clip_norm"):
+    for name in ("weight_decay", "grad_clip_norm"):
         value = train.get(name)
         if not isinstance(value, (int, float)) or value < 0:
             errors.append(f"train.{name}={value!r} must be a non-negative number")
+    # The paper's regulariser (lambda > 0) penalises density; a negative weight rewards
+    # it, pushing the graph toward full attention (docs/synthetic.md uses it as an
+    # ablation). Any finite number is accepted.
+    lam = train.get("density_lambda")
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
+        errors.append(f"train.density_lambda={lam!r} must be a finite number")
     for name in ("b1", "b2"):
         _rate(errors, train, "train", name)
     for name in ("eval_every", "max_per_device_batch"):
