@@ -144,8 +144,10 @@ def test_stopped_and_resumed_run_gives_the_same_params(tmp_path):
     assert [r["step"] for r in _records(split_dir)] == list(range(1, 9))
 
 
-def test_density_lambda_adds_to_the_loss_and_its_gradient():
-    """A fake mechanism whose density is a parameter: the regulariser must pull it down."""
+@pytest.mark.parametrize("lam", [2.0, -0.5])
+def test_density_lambda_adds_to_the_loss_and_its_gradient(lam):
+    """A fake mechanism whose density is a parameter: a positive weight must pull it down,
+    a negative one (the density reward of docs/synthetic.md) push it up."""
     import flax.linen as nn
 
     from sbm_jax.attention import STATS_COLLECTION
@@ -174,12 +176,12 @@ def test_density_lambda_adds_to_the_loss_and_its_gradient():
         rng=jax.random.PRNGKey(0),
     )
     mesh = make_mesh()
-    state, metrics = make_train_step(task, mesh, density_lambda=2.0)(
+    state, metrics = make_train_step(task, mesh, density_lambda=lam)(
         state, shard_batch(batch, mesh)
     )
     np.testing.assert_allclose(metrics["loss"], np.log(2.0), rtol=1e-6)
-    np.testing.assert_allclose(metrics["total_loss"], np.log(2.0) + 2.0 * 0.5, rtol=1e-6)
-    np.testing.assert_allclose(state.params["theta"], 0.5 - 2.0, rtol=1e-6)  # d/dtheta = lambda
+    np.testing.assert_allclose(metrics["total_loss"], np.log(2.0) + lam * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(state.params["theta"], 0.5 - lam, rtol=1e-6)  # d/dtheta = lambda
 
 
 def test_metrics_writer_and_progress_bar(tmp_path):
