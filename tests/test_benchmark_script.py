@@ -1,18 +1,13 @@
 """scripts/benchmark_attention.py: its markdown block is rewritten in place, and only it."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.scripts_testing import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_attention.py"
-    spec = importlib.util.spec_from_file_location("benchmark_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_attention")
 
 
 def test_markdown_block_is_replaced_and_other_sections_kept(bench, tmp_path):

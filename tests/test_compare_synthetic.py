@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(__file__)), "scripts", "compare_synthetic.py"
-)
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("compare_synthetic", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_testing import load_script
 
 
 def test_compare_synthetic_main_writes_table_json_and_plot(tmp_path):
-    script = _load_script()
+    script = load_script("compare_synthetic")
     out = tmp_path / "cmp"
     results = script.main(
         [
@@ -46,13 +36,13 @@ def test_compare_synthetic_main_writes_table_json_and_plot(tmp_path):
 
 
 def test_compare_synthetic_rejects_unknown_mechanism(tmp_path):
-    script = _load_script()
+    script = load_script("compare_synthetic")
     with pytest.raises(SystemExit):
         script.main(["--mechanisms=full,nope", f"--output_dir={tmp_path}"])
 
 
 def test_budget_options_shrink_with_length():
-    script = _load_script()
+    script = load_script("compare_synthetic")
     assert script.mechanism_options("linformer", 64) == {"proj_len": 16, "max_len": 64}
     assert script.mechanism_options("performer", 64, scale_budgets=False) == {}
     sbm = script.mechanism_options("sbm", 64)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -19,8 +17,7 @@ from sbm_jax.tasks.synthetic import (
     duplicate_labels,
     sample_batch,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.scripts_testing import ROOT, load_script
 
 
 def naive_duplicate_labels(tokens: np.ndarray) -> np.ndarray:
@@ -79,20 +76,8 @@ def test_task_config_errors_name_the_field():
         build_task(config)
 
 
-@functools.cache
-def _script_module(name: str):
-    """scripts/<name>.py loaded once (a script may define absl flags, which may exist
-    only once per process)."""
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_script", os.path.join(ROOT, "scripts", f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _train_module():
-    return _script_module("train")
+    return load_script("train")
 
 
 def _train_through_the_entry_point(preset: str, output_dir: str) -> dict:
@@ -185,7 +170,7 @@ def test_accuracy_ceiling_end_points_and_flat_start():
 
 
 def test_synthetic_table_reads_the_steps_a_run_leaves_the_baseline_and_solves(tmp_path):
-    table = _script_module("synthetic_table")
+    table = load_script("synthetic_table")
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(

@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-_LOADED = []
-
-
-def _script():
-    # Loaded once: the script defines absl flags, which may be defined only once.
-    if _LOADED:
-        return _LOADED[0]
-    spec = importlib.util.spec_from_file_location(
-        "synthetic_drive", os.path.join(ROOT, "scripts", "synthetic_drive.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    _LOADED.append(module)
-    return module
+from tests.scripts_testing import load_script
 
 
 def test_drives_are_the_first_order_density_change_of_each_step():
-    drive = _script()
+    drive = load_script("synthetic_drive")
     g_loss = {"a": jnp.asarray([1.0, -2.0]), "b": {"c": jnp.asarray([[0.5]])}}
     g_rho = {"a": jnp.asarray([3.0, 1.0]), "b": {"c": jnp.asarray([[-4.0]])}}
     sgd, adam = drive.drives(g_loss, g_rho)
@@ -44,7 +25,7 @@ def test_density_gradient_is_that_of_the_sown_density_on_the_same_graph():
     from sbm_jax.training.stats import collect_attention_stats
     from sbm_jax.training.steps import step_rngs
 
-    drive = _script()
+    drive = load_script("synthetic_drive")
     state, task, batches = drive.setup("smoke", "independent", 0)
     batch = next(batches)
     g_loss, g_rho, rho = drive.loss_and_density_grads(state, task, batch, 3)
