@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,15 +63,20 @@ def setup(preset: str, init: str, seed: int) -> tuple[Any, Any, Any]:
     return state, task, all_batches()
 
 
-def loss_and_density_grads(state: Any, task: Any, batch: Any, step: int) -> tuple[Any, Any, float]:
-    """``(g_L, g_rho, rho)`` on one batch, both gradients on the same sampled graph."""
+def density_grads_fn(task: Any) -> Callable[[Any, Any, int], tuple[Any, Any, jax.Array]]:
+    """Jitted ``(state, batch, step) -> (g_L, g_rho, rho)`` for ``task``: both gradients
+    on one batch and on the same sampled graph (the training step's sampling key)."""
     from sbm_jax.training.steps import loss_and_grads, step_rngs
 
-    rngs = step_rngs(state.rng, jnp.asarray(step))
-    _, _, stats, g_loss = loss_and_grads(state, task, batch, rngs, 0.0)
-    _, _, _, g_both = loss_and_grads(state, task, batch, rngs, 1.0)
-    g_rho = jax.tree.map(jnp.subtract, g_both, g_loss)  # (L + rho)' - L' = rho'
-    return g_loss, g_rho, float(stats["density"])
+    @jax.jit
+    def grads(state: Any, batch: Any, step: int) -> tuple[Any, Any, jax.Array]:
+        rngs = step_rngs(state.rng, jnp.asarray(step))
+        _, _, stats, g_loss = loss_and_grads(state, task, batch, rngs, 0.0)
+        _, _, _, g_both = loss_and_grads(state, task, batch, rngs, 1.0)
+        g_rho = jax.tree.map(jnp.subtract, g_both, g_loss)  # (L + rho)' - L' = rho'
+        return g_loss, g_rho, stats["density"]
+
+    return grads
 
 
 #: Parameter names that only shape the sampled graph (the SBM's clusters and MLP).
@@ -96,11 +102,12 @@ def drives(g_loss: Any, g_rho: Any, only: tuple[str, ...] | None = None) -> tupl
 def measure(preset: str, init: str, seed: int, num_batches: int) -> dict[str, float]:
     """Mean density, mean drives and the fraction of batches with a positive drive."""
     state, task, batches = setup(preset, init, seed)
+    grads = density_grads_fn(task)
     dens, sgd, graph, adam = [], [], [], []
     for step in range(num_batches):
-        g_loss, g_rho, rho = loss_and_density_grads(state, task, next(batches), step)
+        g_loss, g_rho, rho = grads(state, next(batches), step)
         s, a = drives(g_loss, g_rho)
-        dens.append(rho)
+        dens.append(float(rho))
         sgd.append(s)
         graph.append(drives(g_loss, g_rho, GRAPH_ONLY)[0])
         adam.append(a)
