@@ -590,8 +590,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         grid |= {(TARGET_N, 0.01), (TARGET_N, 0.05), (TARGET_N // 2, 0.10)}
     sizes = sorted({n for n, _ in grid})
 
+    def save_partial() -> None:
+        # After every record: a run stopped by a timeout or a crash keeps what it measured
+        # (`"partial": true`; `--from-json` renders it).
+        if args.json:
+            out = Path(args.json)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({**header(args), "results": results, "partial": True}))
+
     def log(rec):
         results.append(rec)
+        save_partial()
         what = rec.get("impl", rec.get("kind", ""))
         if "median_s" in rec:
             t = f"{rec['median_s'] * 1e3:9.1f} ms"
@@ -729,10 +738,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rec.update(calibrate_edge_cost(b, h, d, n, 0.05, args.impls, **kw))
         print(f"[calib ] n={n} edge_cost={rec.get('edge_cost')}", flush=True)
         results.append(rec)
+        save_partial()
 
+    return {**header(args), "results": results}
+
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's configuration and machine, as the JSON report records them."""
     from sbm_jax.kernels.cost import edge_cost
 
+    b, h, d = args.batch, args.heads, args.head_dim
     return {
+        "command": getattr(args, "command_line", ""),
         "config": {
             "batch": b,
             "heads": h,
@@ -749,11 +766,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "platform": platform.platform(),
             "backend": jax.default_backend(),
             "devices": [str(dev) for dev in jax.devices()],
+            "device_kind": jax.devices()[0].device_kind,
             "cpu_count": os.cpu_count(),
             "jax": jax.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
         },
-        "results": results,
     }
 
 
@@ -970,10 +987,18 @@ def _fmt(x, spec=".3g"):
 
 def markdown(report: dict[str, Any], command: str) -> str:
     cfg, mach = report["config"], report["machine"]
+    kind = mach.get("device_kind")
+    device = f" ({kind})" if kind and mach["backend"] != "cpu" else ""
     lines = [
         f"Command: `{command}`",
         "",
-        f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs, "
+        *(
+            [f"**Partial run** (stopped after {len(report['results'])} records).", ""]
+            if report.get("partial")
+            else []
+        ),
+        f"Machine: {mach['platform']}, backend {mach['backend']}{device}, "
+        f"{mach['cpu_count']} CPUs, "
         f"JAX {mach['jax']}, {mach['date']}. B={cfg['batch']}, H={cfg['heads']}, "
         f"d_h={cfg['head_dim']}, float32, forward + backward, median of {cfg['repeats']} "
         f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with the "
@@ -1108,8 +1133,8 @@ def main(argv=None) -> None:
         command = "python scripts/benchmark_attention.py " + " ".join(
             sys.argv[1:] if argv is None else argv
         )
+        args.command_line = command.strip()
         report = run(args)
-        report["command"] = command.strip()
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))

@@ -1,5 +1,7 @@
 """scripts/benchmark_attention.py: its markdown block is rewritten in place, and only it."""
 
+import json
+
 import pytest
 
 from tests.scripts_testing import load_script
@@ -56,3 +58,30 @@ def test_issue14_table_from_a_saved_report(bench):
     tim = rows["whole-layer time SBM / full, 5%, n=4096"]
     assert tim["value"] == pytest.approx(0.55) and tim["met"] is True
     assert rows["n=1024, 5%: time SBM / full"]["value"] is None
+
+
+def test_a_stopped_run_keeps_what_it_measured(bench, tmp_path, monkeypatch, capsys):
+    # The JSON is rewritten after every record, so a run killed by a timeout (a lent
+    # accelerator's time limit, a cluster's) leaves its records; --from-json renders them.
+    calls = []
+
+    def fake_measure(fn, args, **kw):
+        calls.append(fn)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # the run is stopped during its second measurement
+        return {"median_s": 0.25, "times_s": [0.25] * 5, "temp_bytes": 2**20}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    out = tmp_path / "run.json"
+    argv = ["--sizes", "64", "--densities", "0.05", "--impls", "rows", "--no-targets"]
+    argv += ["--no-layer", "--no-sampler", "--long", "--lra-step", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    saved = json.loads(out.read_text())
+    assert saved["partial"] is True and len(saved["results"]) == 1
+    rec = saved["results"][0]
+    assert rec["section"] == "dense" and rec["median_s"] == 0.25 and rec["n"] == 64
+    assert saved["command"].endswith(str(out)) and saved["machine"]["backend"] == "cpu"
+    md = tmp_path / "b.md"
+    bench.main(["--from-json", str(out), "--markdown", str(md)])
+    assert "**Partial run** (stopped after 1 records)." in md.read_text()
