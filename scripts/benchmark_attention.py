@@ -761,6 +761,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "impls": args.impls,
             "heads_mode": args.heads_mode,
             "edge_cost_rows": edge_cost("rows"),
+            "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
         "machine": {
             "platform": platform.platform(),
@@ -1038,8 +1039,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 lines.append(
                     f"- n={r['n']}, density {r['density']}, kernel {kernel}: edge cost "
                     f"{_fmt(cost)} dense-path pairs per slot (sparse overflow: "
-                    f"{r[kernel].get('overflow')}); the table in use (rows) has "
-                    f"{cfg.get('edge_cost_rows')}."
+                    f"{r[kernel].get('overflow')}); the table in use has "
+                    f"{cfg.get('edge_costs', {}).get(kernel, cfg.get('edge_cost_rows'))}."
                 )
     i4 = issue4_rows(report)
     if any(t["value"] is not None for t in i4):

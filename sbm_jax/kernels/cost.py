@@ -25,24 +25,26 @@ from collections.abc import Sequence
 import jax
 
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
-#: kernel. ``cpu``: measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls
-#: rows segment`` on a shared 2-core x86 CPU (JAX 0.10.2, B=2, H=2, d_h=32, k=128, n=2048,
-#: 5% density in a bucket of 10% of n^2, float32): rows 10.3 and 8.0 in two runs, segment
-#: 30.9 (docs/benchmarks.md). With k=128 buckets below ~1/9 of n*m run sparse with
-#: ``rows``: the defaults 1/64 and 1/16, not 1/4. ``gpu`` and ``tpu``: NOT measured (no
-#: accelerator was available when this was written); the values are guesses that favour
-#: the dense branch, whose work is matrix products, over gathers. Recalibrate there with
-#: ``--calibrate``.
+#: kernel, measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls rows
+#: segment`` (B=2, H=2, d_h=32, k=128, n=2048, 5% density in a bucket of 10% of n^2,
+#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2: rows 10.3
+#: and 8.0 in two runs, segment 30.9; buckets below ~1/9 of n*m run sparse with ``rows``
+#: (the defaults 1/64 and 1/16, not 1/4). ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2
+#: (2026-11-27): rows 50.8, segment 87.6; only buckets below ~1/51 of n*m run sparse (the
+#: default 1/64), since the dense branch is matrix products and the sparse one gathers,
+#: sorts and scatters. ``tpu``: NOT measured (no TPU was available); it takes the GPU's
+#: figures, on the expectation that gathers and scatters cost a TPU at least as much.
+#: Recalibrate there with ``--calibrate``.
 EDGE_COST: dict[str, dict[str, float]] = {
     "cpu": {"rows": 9.0, "segment": 31.0},
-    "gpu": {"rows": 16.0, "segment": 32.0},
-    "tpu": {"rows": 16.0, "segment": 32.0},
+    "gpu": {"rows": 51.0, "segment": 88.0},
+    "tpu": {"rows": 51.0, "segment": 88.0},
 }
 
 
 def edge_cost(kernel: str, backend: str | None = None) -> float:
     """Cost of one sparse slot with ``kernel`` on ``backend`` (default: JAX's), in pairs of
-    the dense branch. Unknown backends use the ``gpu`` guess."""
+    the dense branch. Unknown backends use the ``gpu`` figures."""
     backend = jax.default_backend() if backend is None else backend
     table = EDGE_COST.get(backend, EDGE_COST["gpu"])
     if kernel not in table:
