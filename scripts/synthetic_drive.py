@@ -18,6 +18,20 @@ gradient of the mean sampled density ``g_rho`` are taken on the *same* sampled g
 Printed per init and seed: the mean density, each drive's mean over the batches, and the
 fraction of batches on which it was positive. docs/synthetic.md ("The dynamics of eq.
 9") reads these figures.
+
+Along a run:
+
+  python scripts/train.py --config=configs/synthetic.py:quick --config.seed=0 \
+      --config.checkpoint.every_steps=50 --config.checkpoint.max_to_keep=100 \
+      --config.output_dir=RUN
+  python scripts/synthetic_drive.py --run_dir=RUN
+
+measures, at every checkpoint the run kept (``RUN/checkpoints/latest/<step>``, its
+parameters *and* Adam state), the first-order density change of the update the optimizer
+would apply next, ``<u, g_rho>`` with ``u = tx.update(g_L, opt_state, params)`` (the real
+step: momentum, bias correction, warm-up and clipping included), on the run's own next
+``--batches`` training batches and graphs, in total and split into the clusters + MLP
+(eq. 9's own share), the query and key projections, and the rest.
 """
 
 from __future__ import annotations
@@ -38,6 +52,12 @@ _PRESET = flags.DEFINE_string("preset", "quick", "configs/synthetic.py preset, e
 _INITS = flags.DEFINE_list("inits", ["independent", "tied"], "model.query_key_init values.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (parameters, data, graphs).")
 _BATCHES = flags.DEFINE_integer("batches", 8, "Fresh batches per init and seed.")
+_RUN_DIR = flags.DEFINE_string(
+    "run_dir",
+    "",
+    "A scripts/train.py run directory: measure the drive of its next update at every "
+    "checkpoint it kept, instead of at initialisation.",
+)
 
 
 def setup(preset: str, init: str, seed: int) -> tuple[Any, Any, Any]:
@@ -99,6 +119,85 @@ def drives(g_loss: Any, g_rho: Any, only: tuple[str, ...] | None = None) -> tupl
     return sgd, adam
 
 
+#: The parts of an update whose drive ``--run_dir`` reports (the rest is everything else).
+PARTS = {"graph": GRAPH_ONLY, "qk": ("['query']", "['key']")}
+
+
+def update_drives(state: Any, g_loss: Any, g_rho: Any) -> dict[str, float]:
+    """``<u, g_rho>`` for the optimizer's next update ``u`` (from ``state.opt_state``),
+    in total and per part of :data:`PARTS`: the first-order change of density that the
+    step actually taken would make on this graph."""
+    updates, _ = state.tx.update(g_loss, state.opt_state, state.params)
+    out = {"total": 0.0, **{name: 0.0 for name in PARTS}}
+    leaves_r = jax.tree.leaves(g_rho)
+    for (path, u), r in zip(jax.tree_util.tree_leaves_with_path(updates), leaves_r, strict=True):
+        value = float(jnp.vdot(u, r))
+        out["total"] += value
+        name = jax.tree_util.keystr(path)
+        for part, names in PARTS.items():
+            if any(n in name for n in names):
+                out[part] += value
+                break
+    out["rest"] = out["total"] - sum(out[part] for part in PARTS)
+    return out
+
+
+def run_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoints ``run_dir`` kept under ``checkpoints/latest``."""
+    from sbm_jax.training.checkpoints import _step_dirs
+
+    folder = os.path.join(run_dir, "checkpoints", "latest")
+    steps = _step_dirs(folder)
+    if not steps:
+        raise FileNotFoundError(
+            f"--run_dir={run_dir!r}: no checkpoints under {folder} (train with "
+            "--config.checkpoint.every_steps=50 --config.checkpoint.max_to_keep=100)"
+        )
+    return steps
+
+
+def measure_run(run_dir: str, num_batches: int) -> list[dict[str, float]]:
+    """Per kept checkpoint of ``run_dir``: its step, the mean density of its next
+    ``num_batches`` training batches and the mean :func:`update_drives` over them."""
+    import ml_collections
+
+    from sbm_jax.models.build import build_model
+    from sbm_jax.tasks.registry import build_task
+    from sbm_jax.training.checkpoints import restore_snapshot
+    from sbm_jax.training.run_dir import saved_config
+    from sbm_jax.training.state import create_train_state
+
+    saved = saved_config(run_dir)
+    if saved is None:
+        raise FileNotFoundError(f"--run_dir={run_dir!r} holds no config.json")
+    config = ml_collections.ConfigDict(saved)
+    task = build_task(config)
+    model = build_model(config.model, task.head)
+    target = create_train_state(config, model, task, next(task.train_batches(0)))
+    grads = density_grads_fn(task)
+    folder = os.path.join(run_dir, "checkpoints", "latest")
+    rows = []
+    for step in run_steps(run_dir):
+        state, _ = restore_snapshot(folder, target, step=step)
+        batches = task.train_batches(step)
+        dens, parts = [], []
+        for i in range(num_batches):
+            # The batch and graph of training step step + i (the trainer's rng per step).
+            g_loss, g_rho, rho = grads(state, next(batches), step + i)
+            dens.append(float(rho))
+            parts.append(update_drives(state, g_loss, g_rho))
+        row = {"step": step, "density": float(np.mean(dens))}
+        for name in parts[0]:
+            row[name] = float(np.mean([p[name] for p in parts]))
+        rows.append(row)
+        print(
+            f"| {step} | {row['density']:.3f} | {row['total']:+.2e} | {row['graph']:+.2e} "
+            f"| {row['qk']:+.2e} | {row['rest']:+.2e} |",
+            flush=True,
+        )
+    return rows
+
+
 def measure(preset: str, init: str, seed: int, num_batches: int) -> dict[str, float]:
     """Mean density, mean drives and the fraction of batches with a positive drive."""
     state, task, batches = setup(preset, init, seed)
@@ -120,6 +219,14 @@ def measure(preset: str, init: str, seed: int, num_batches: int) -> dict[str, fl
 
 def main(argv: list[str]) -> None:
     del argv
+    if _RUN_DIR.value:
+        print(
+            "| step | density | drive of the next update | via clusters + MLP | via query, key "
+            "| via the rest |"
+        )
+        print("|---|---|---|---|---|---|")
+        measure_run(_RUN_DIR.value, _BATCHES.value)
+        return
     print(
         "| QK init | seed | density | descent drive (share > 0) | of it via clusters + MLP "
         "(share > 0) | Adam-step drive (share > 0) |"

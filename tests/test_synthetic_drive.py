@@ -59,3 +59,48 @@ def test_density_gradient_is_that_of_the_sown_density_on_the_same_graph():
     # ... and the task loss reaches them too (through eq. 9), so the drive is defined.
     sgd, adam = drive.drives(g_loss, g_rho)
     assert np.isfinite(sgd) and np.isfinite(adam) and sgd != 0.0
+
+
+def test_run_mode_measures_the_update_the_trainer_then_applied(tmp_path):
+    # A smoke run keeping a checkpoint per step: the drive of "the next update" at step s
+    # must be <params_{s+1} - params_s, g_rho>, with params_{s+1} the trainer's own next
+    # checkpoint (same batch, graph, Adam state, schedule); the parts add up to it.
+    from configs import synthetic as synthetic_config
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training.checkpoints import restore_snapshot
+    from sbm_jax.training.trainer import train_and_evaluate
+
+    drive = load_script("synthetic_drive")
+    config = synthetic_config.get_config("sbm,smoke")
+    config.train.num_steps = 3
+    config.train.warmup_steps = 0
+    config.checkpoint.every_steps = 1
+    config.checkpoint.max_to_keep = 10
+    run = str(tmp_path / "run")
+    train_and_evaluate(config, build_task(config), output_dir=run)
+    steps = drive.run_steps(run)
+    assert steps[:3] == [1, 2, 3], steps
+
+    rows = drive.measure_run(run, 1)
+    assert [r["step"] for r in rows] == steps
+    for r in rows:
+        parts = r["graph"] + r["qk"] + r["rest"]
+        np.testing.assert_allclose(parts, r["total"], rtol=1e-6, atol=1e-12)
+        assert 0.0 < r["density"] <= 1.0
+
+    # Independently: the step the trainer took from step 1 to step 2.
+    task = build_task(config)
+    state0, _, batches = drive.setup("smoke", config.model.query_key_init, config.seed)
+    folder = str(tmp_path / "run" / "checkpoints" / "latest")
+    s1, _ = restore_snapshot(folder, state0, step=1)
+    s2, _ = restore_snapshot(folder, state0, step=2)
+    g_loss, g_rho, _ = drive.density_grads_fn(task)(s1, next(task.train_batches(1)), 1)
+    taken = jax.tree.map(jnp.subtract, s2.params, s1.params)
+    want = sum(
+        float(jnp.vdot(a, b))
+        for a, b in zip(jax.tree.leaves(taken), jax.tree.leaves(g_rho), strict=True)
+    )
+    got = drive.update_drives(s1, g_loss, g_rho)
+    assert want != 0.0
+    np.testing.assert_allclose(got["total"], want, rtol=1e-3)
+    np.testing.assert_allclose(rows[0]["total"], got["total"], rtol=1e-5)

@@ -118,11 +118,15 @@ def save_snapshot(directory: str, state: TrainState, meta: dict[str, Any]) -> st
     return os.path.join(os.path.abspath(directory), str(int(state.step)))
 
 
-def restore_snapshot(directory: str, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """(state, meta) of the newest checkpoint under ``directory`` (``save_snapshot``).
+def restore_snapshot(
+    directory: str, target: TrainState, step: int | None = None
+) -> tuple[TrainState, dict[str, Any]]:
+    """(state, meta) of the checkpoint under ``directory`` saved at ``step`` (default the
+    newest): a ``save_snapshot`` folder, or a run's ``checkpoints/latest``.
 
     Raises:
-      FileNotFoundError: naming ``directory`` when it holds no checkpoint.
+      FileNotFoundError: naming ``directory`` (and ``step``) when it holds no such
+        checkpoint.
     """
     path = os.path.abspath(directory)
     if not os.path.isdir(path):
@@ -130,7 +134,11 @@ def restore_snapshot(directory: str, target: TrainState) -> tuple[TrainState, di
     with _quiet():
         manager = ocp.CheckpointManager(path)
     try:
-        restored = _restore_from(manager, target, None)
+        if step is not None and step not in manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint of step {step} under {path}; it has {list(manager.all_steps())}"
+            )
+        restored = _restore_from(manager, target, step)
     finally:
         with _quiet():
             manager.close()
