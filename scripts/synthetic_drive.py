@@ -31,7 +31,8 @@ parameters *and* Adam state), the first-order density change of the update the o
 would apply next, ``<u, g_rho>`` with ``u = tx.update(g_L, opt_state, params)`` (the real
 step: momentum, bias correction, warm-up and clipping included), on the run's own next
 ``--batches`` training batches and graphs, in total and split into the clusters + MLP
-(eq. 9's own share), the query and key projections, and the rest.
+(eq. 9's own share), the query and key projections, and the rest. ``--steps=700:1100``
+keeps the checkpoints in that range (a paper-length step costs seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ _RUN_DIR = flags.DEFINE_string(
     "",
     "A scripts/train.py run directory: measure the drive of its next update at every "
     "checkpoint it kept, instead of at initialisation.",
+)
+_STEPS = flags.DEFINE_string(
+    "steps", "", "With --run_dir: only checkpoints in this range, FIRST:LAST (inclusive)."
 )
 
 
@@ -156,9 +160,23 @@ def run_steps(run_dir: str) -> list[int]:
     return steps
 
 
-def measure_run(run_dir: str, num_batches: int) -> list[dict[str, float]]:
-    """Per kept checkpoint of ``run_dir``: its step, the mean density of its next
-    ``num_batches`` training batches and the mean :func:`update_drives` over them."""
+def step_range(text: str) -> tuple[int, int]:
+    """``"FIRST:LAST"`` (either side may be empty) -> inclusive bounds."""
+    first, sep, last = text.partition(":")
+    if not sep:
+        raise ValueError(f"--steps={text!r} must be FIRST:LAST, e.g. 700:1100 or 700:")
+    try:
+        return int(first or 0), int(last) if last else 2**62
+    except ValueError:
+        raise ValueError(f"--steps={text!r}: FIRST and LAST must be integers") from None
+
+
+def measure_run(
+    run_dir: str, num_batches: int, steps: tuple[int, int] = (0, 2**62)
+) -> list[dict[str, float]]:
+    """Per kept checkpoint of ``run_dir`` with a step in ``steps`` (inclusive): its step,
+    the mean density of its next ``num_batches`` training batches and the mean
+    :func:`update_drives` over them."""
     import ml_collections
 
     from sbm_jax.models.build import build_model
@@ -178,6 +196,8 @@ def measure_run(run_dir: str, num_batches: int) -> list[dict[str, float]]:
     folder = os.path.join(run_dir, "checkpoints", "latest")
     rows = []
     for step in run_steps(run_dir):
+        if not steps[0] <= step <= steps[1]:
+            continue
         state, _ = restore_snapshot(folder, target, step=step)
         batches = task.train_batches(step)
         dens, parts = [], []
@@ -225,7 +245,8 @@ def main(argv: list[str]) -> None:
             "| via the rest |"
         )
         print("|---|---|---|---|---|---|")
-        measure_run(_RUN_DIR.value, _BATCHES.value)
+        bounds = step_range(_STEPS.value) if _STEPS.value else (0, 2**62)
+        measure_run(_RUN_DIR.value, _BATCHES.value, bounds)
         return
     print(
         "| QK init | seed | density | descent drive (share > 0) | of it via clusters + MLP "

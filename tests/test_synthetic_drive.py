@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tests.scripts_testing import load_script
 
@@ -83,6 +84,10 @@ def test_run_mode_measures_the_update_the_trainer_then_applied(tmp_path):
 
     rows = drive.measure_run(run, 1)
     assert [r["step"] for r in rows] == steps
+    assert [r["step"] for r in drive.measure_run(run, 1, drive.step_range("2:2"))] == [2]
+    assert drive.step_range("700:") == (700, 2**62) and drive.step_range(":5") == (0, 5)
+    with pytest.raises(ValueError, match="FIRST:LAST"):
+        drive.step_range("700")
     for r in rows:
         parts = r["graph"] + r["qk"] + r["rest"]
         np.testing.assert_allclose(parts, r["total"], rtol=1e-6, atol=1e-12)
