@@ -148,10 +148,9 @@ def update_drives(state: Any, g_loss: Any, g_rho: Any) -> dict[str, float]:
 
 def run_steps(run_dir: str) -> list[int]:
     """The steps of the checkpoints ``run_dir`` kept under ``checkpoints/latest``."""
-    from sbm_jax.training.checkpoints import _step_dirs
-
     folder = os.path.join(run_dir, "checkpoints", "latest")
-    steps = _step_dirs(folder)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    steps = sorted(int(name) for name in names if name.isdigit())
     if not steps:
         raise FileNotFoundError(
             f"--run_dir={run_dir!r}: no checkpoints under {folder} (train with "

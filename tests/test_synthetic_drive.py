@@ -99,6 +99,8 @@ def test_run_mode_measures_the_update_the_trainer_then_applied(tmp_path):
     folder = str(tmp_path / "run" / "checkpoints" / "latest")
     s1, _ = restore_snapshot(folder, state0, step=1)
     s2, _ = restore_snapshot(folder, state0, step=2)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 99 .* it has \[1, 2, 3"):
+        restore_snapshot(folder, state0, step=99)
     g_loss, g_rho, _ = drive.density_grads_fn(task)(s1, next(task.train_batches(1)), 1)
     taken = jax.tree.map(jnp.subtract, s2.params, s1.params)
     want = sum(
