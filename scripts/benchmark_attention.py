@@ -760,7 +760,6 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "max_gib": args.max_gib,
             "impls": args.impls,
             "heads_mode": args.heads_mode,
-            "edge_cost_rows": edge_cost("rows"),
             "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
         "machine": {
@@ -1040,6 +1039,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
                     f"- n={r['n']}, density {r['density']}, kernel {kernel}: edge cost "
                     f"{_fmt(cost)} dense-path pairs per slot (sparse overflow: "
                     f"{r[kernel].get('overflow')}); the table in use has "
+                    # Reports written before "edge_costs" hold only the rows entry.
                     f"{cfg.get('edge_costs', {}).get(kernel, cfg.get('edge_cost_rows'))}."
                 )
     i4 = issue4_rows(report)

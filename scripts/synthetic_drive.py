@@ -146,11 +146,23 @@ def update_drives(state: Any, g_loss: Any, g_rho: Any) -> dict[str, float]:
     return out
 
 
+#: ``--steps`` bounds that keep every checkpoint.
+ALL_STEPS = (0, 2**62)
+
+
+def latest_folder(run_dir: str) -> str:
+    """``run_dir``'s folder of "latest" checkpoints (the ones ``--run_dir`` measures)."""
+    from sbm_jax.training.checkpoints import CHECKPOINT_DIR
+
+    return os.path.join(run_dir, CHECKPOINT_DIR, "latest")
+
+
 def run_steps(run_dir: str) -> list[int]:
     """The steps of the checkpoints ``run_dir`` kept under ``checkpoints/latest``."""
-    folder = os.path.join(run_dir, "checkpoints", "latest")
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = sorted(int(name) for name in names if name.isdigit())
+    from sbm_jax.training.checkpoints import checkpoint_steps
+
+    folder = latest_folder(run_dir)
+    steps = checkpoint_steps(folder)
     if not steps:
         raise FileNotFoundError(
             f"--run_dir={run_dir!r}: no checkpoints under {folder} (train with "
@@ -165,13 +177,13 @@ def step_range(text: str) -> tuple[int, int]:
     if not sep:
         raise ValueError(f"--steps={text!r} must be FIRST:LAST, e.g. 700:1100 or 700:")
     try:
-        return int(first or 0), int(last) if last else 2**62
+        return int(first or ALL_STEPS[0]), int(last) if last else ALL_STEPS[1]
     except ValueError:
         raise ValueError(f"--steps={text!r}: FIRST and LAST must be integers") from None
 
 
 def measure_run(
-    run_dir: str, num_batches: int, steps: tuple[int, int] = (0, 2**62)
+    run_dir: str, num_batches: int, steps: tuple[int, int] = ALL_STEPS
 ) -> list[dict[str, float]]:
     """Per kept checkpoint of ``run_dir`` with a step in ``steps`` (inclusive): its step,
     the mean density of its next ``num_batches`` training batches and the mean
@@ -192,7 +204,7 @@ def measure_run(
     model = build_model(config.model, task.head)
     target = create_train_state(config, model, task, next(task.train_batches(0)))
     grads = density_grads_fn(task)
-    folder = os.path.join(run_dir, "checkpoints", "latest")
+    folder = latest_folder(run_dir)
     rows = []
     for step in run_steps(run_dir):
         if not steps[0] <= step <= steps[1]:
@@ -244,7 +256,7 @@ def main(argv: list[str]) -> None:
             "| via the rest |"
         )
         print("|---|---|---|---|---|---|")
-        bounds = step_range(_STEPS.value) if _STEPS.value else (0, 2**62)
+        bounds = step_range(_STEPS.value) if _STEPS.value else ALL_STEPS
         measure_run(_RUN_DIR.value, _BATCHES.value, bounds)
         return
     print(

@@ -203,7 +203,9 @@ class RunCheckpoints:
             self._best.close()
 
 
-def _step_dirs(path: str) -> list[int]:
+def checkpoint_steps(path: str) -> list[int]:
+    """The steps saved in a checkpoint folder (``checkpoints/latest``, ``.../best``, a
+    ``save_snapshot`` directory), ascending; [] when the folder does not exist."""
     if not os.path.isdir(path):
         return []
     return sorted(int(name) for name in os.listdir(path) if name.isdigit())
@@ -234,7 +236,7 @@ def find_checkpoint(path: str, field: str = "config.init_from") -> str:
         path,
     ]
     for folder in candidates:
-        steps = [s for s in _step_dirs(folder) if os.path.isdir(os.path.join(folder, str(s)))]
+        steps = [s for s in checkpoint_steps(folder) if os.path.isdir(os.path.join(folder, str(s)))]
         if steps:
             return os.path.join(folder, str(steps[-1]))
     raise FileNotFoundError(f"{field}={path!r} holds no checkpoint")
