@@ -4,7 +4,7 @@ A preset is the string after the colon of ``--config=<file>:<preset>``, comma-se
 parts in any order (spaces ignored, a later part of a kind overrides an earlier one):
 
   mechanism  an attention preset the config accepts (``sbm``, ``full``, ``performer``...,
-             or a variant of ``VARIANTS``: ``sbm_poisson``, ``sbm_nowindow``)
+             or a variant of ``VARIANTS``: ``sbm_poisson``, ``sbm_nowindow``, ``sbm_pairs``)
   scale      a scale the config accepts (``paper``, ``reduced``, ``smoke``; the synthetic
              task calls its CPU scale ``quick``)
   lambda=X   weight of SBM's density regulariser (train.density_lambda), where accepted
@@ -155,7 +155,9 @@ OPTIONS: dict[str, dict[str, Scaled]] = {
         "edge_cost": Scaled(_unset_float, shown=False),
         "kernel": Scaled("rows", shown=False),  # sparse path's edge kernel: "rows" or "segment"
         "cluster_init": Scaled("paper"),  # C init: "paper" (fan-in d_h) or "reference" (k*d_h)
-        "ste": Scaled("paper"),  # mask estimator: "paper" (eq. 9) or "reference" (released code)
+        # mask estimator: "paper" (eq. 9), "reference" (released code) or "pairs" (ours,
+        # every pair, impl="dense" only; docs/synthetic.md)
+        "ste": Scaled("paper"),
     },
     "nystromformer": {
         "num_landmarks": Scaled(256, smoke=4),  # landmarks (paper: 256)
@@ -186,6 +188,9 @@ OPTIONS: dict[str, dict[str, Scaled]] = {
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sbm_poisson": ("sbm", {"edge_law": "poisson"}),  # the raw fastRG edge law
     "sbm_nowindow": ("sbm", {"window": 0}),  # GLUE's SBM without the local window
+    # Our estimator (not the paper's eq. 9): every pair, sampled or not, gets its
+    # first-order gain; it needs the dense path (docs/synthetic.md, "The pairs estimator").
+    "sbm_pairs": ("sbm", {"ste": "pairs", "impl": "dense"}),
 }
 
 

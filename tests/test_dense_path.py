@@ -2,7 +2,9 @@
 
 References are independent: the law against its closed form (chi-square over pairs),
 outputs and gradients against numpy float64 on the same mask with the gradients
-written out by hand (eq. 9 and the released code's clipped estimator), and the
+written out by hand (eq. 9, the released code's clipped estimator, and the
+``"pairs"`` estimator with each absent pair added to its row by hand), a row's total
+drive against the derivative of a masked softmax in its score scale, and the
 program's shapes read from its jaxpr.
 """
 
@@ -143,13 +145,21 @@ def _numpy_reference(q, k, v, g, ys, zk, mask, c, ste, keep=None, rate=0.0):
         dm = da * s + c
     elif ste == "reference":  # released code: dL/dM = da (+ c), clipped to [-1, 1]
         dm = np.clip(da + c, -1.0, 1.0)
+    elif ste == "pairs":  # every real pair: the first-order change of L when flipped
+        dm = np.where(mask, da + c, 0.0)
+        for i, j in zip(*np.nonzero(~mask & Q_MASK[:, None] & K_MASK[None, :]), strict=True):
+            # Add pair (i, j) to row i by hand and recompute that row's output.
+            keep_e = e[i] * z[i]
+            e_j = np.exp(s[i, j] - mx[i, 0])
+            new_out = (keep_e @ v + e_j * z[i, j] * v[j]) / (den[i, 0] + e_j)
+            dm[i, j] = np.dot(g[i], new_out - out[i]) + c
     else:  # "noclip": the released code's dL/dM without its clip (to check the case)
         dm = da + c
-    dp = np.where(mask, dm, 0.0)
+    dp = dm if ste == "pairs" else np.where(mask, dm, 0.0)
     return out, loss, (dq, dk, dv, dp @ zk, dp.T @ ys)
 
 
-@pytest.mark.parametrize("ste", ["paper", "reference"])
+@pytest.mark.parametrize("ste", ["paper", "reference", "pairs"])
 @pytest.mark.parametrize("block_rows, half, rate", [(4, None, 0.0), (8, 1, 0.0), (None, None, 0.3)])
 def test_outputs_and_gradients_match_numpy_on_the_same_mask(ste, block_rows, half, rate):
     q, k, v, g, ys, zk = _inputs(3)
@@ -202,6 +212,40 @@ def test_outputs_and_gradients_match_numpy_on_the_same_mask(ste, block_rows, hal
     if ste == "reference":
         _, _, unclipped = _numpy_reference(q, k, v, g, ys, zk, mask, c, "noclip", keep, rate)
         assert not np.allclose(unclipped[3], ref_grads[3]), "the case should exercise the clip"
+
+
+@pytest.mark.parametrize("ste", ["paper", "reference"])
+def test_a_rows_density_drive_is_its_score_temperature_gradient_or_zero(ste):
+    # Every key with the same memberships: p_ij = p_i for all j, so d(ys_i) . ys_i =
+    # p_i * sum_j dL/dp_ij, the drive on row i's density as a whole. Under eq. 9 it is
+    # p_i * dL/d beta_i, beta_i a common scale of row i's scores; under the released
+    # code's estimator it is 0 (a row's logit cotangents sum to zero). The reference
+    # scales the scores of a masked softmax written here and differentiates in beta.
+    q, k, v, g, ys, zk = _inputs(6)
+    zk = np.where(K_MASK[:, None], zk[:1], 0.0)  # one membership row for every real key
+    key = jax.random.PRNGKey(11)
+    masks = (jnp.asarray(Q_MASK), jnp.asarray(K_MASK))
+    g = 0.1 * g  # small cotangents: the released code's clip stays inactive
+    q, k, v, g, ys, zk = _f32(q, k, v, g, ys, zk)
+
+    def loss_in_ys(ys):
+        out, _ = streamed_sbm_attention(key, q, k, v, ys, zk, *masks, 0.0, ste=ste)
+        return jnp.sum(out * g)
+
+    drive = np.sum(np.asarray(jax.grad(loss_in_ys)(ys)) * np.asarray(ys), axis=1)
+    mask = jnp.asarray(streamed_mask(key, ys, zk, *masks, 0.0))
+
+    def loss_in_beta(beta):  # masked softmax with row i's scores times beta_i
+        s = beta[:, None] * (q @ k.T) / np.sqrt(D)
+        a = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=1)
+        a = jnp.where(mask.any(1, keepdims=True), a, 0.0)
+        return jnp.sum((a @ v) * g)
+
+    d_beta = np.asarray(jax.grad(loss_in_beta)(jnp.ones(N)))
+    p_row = np.asarray(ys @ zk[0])
+    want = p_row * d_beta if ste == "paper" else np.zeros(N)
+    assert np.abs(d_beta[np.asarray(mask).sum(1) > 1]).min() > 1e-4, "the case has a signal"
+    np.testing.assert_allclose(drive, want, rtol=1e-4, atol=1e-5)
 
 
 def test_under_vmap_every_graph_keeps_its_own_gradient():

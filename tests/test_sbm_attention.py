@@ -314,6 +314,9 @@ def test_dense_probs_match_memberships():
         (dict(edge_law="gumbel"), "edge_law"),
         (dict(impl="fast"), "impl"),
         (dict(impl="dense", max_dense_elements=10), "max_dense_elements"),
+        (dict(ste="straight"), "ste"),
+        (dict(ste="pairs"), "ste='pairs'.*impl='dense'"),  # every pair: dense path only
+        (dict(ste="pairs", impl="sparse"), "ste='pairs'.*impl='sparse'"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
@@ -706,3 +709,45 @@ def test_memberships_are_sown_on_request_only():
     st = state[STATS_COLLECTION]
     np.testing.assert_allclose(np.asarray(st["query_density"][0]), want_query, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(st["key_density"][0]), want_key, rtol=1e-5)
+
+
+def test_pairs_estimator_gives_the_density_its_exact_gradient():
+    # Under ste="pairs" the edge count's cotangent reaches every real pair, sampled or
+    # not, so the gradient of the sampled density is the gradient of its expectation:
+    # mean over real pairs of p + delta (Bernoulli law, p + delta < 1 here), written
+    # here from the parameters (eqs. 5-7). Eq. 9 sends it to the sampled edges only.
+    mod = _module(impl="dense", ste="pairs", delta=0.0)
+    x = _x(8)
+    params = _init(mod, x)
+    real = np.asarray(MASK, np.float64)
+    pairs = real[:, :, None] * real[:, None, :]  # [B, L, L]
+
+    def density(params, module):
+        _, st = module.apply(
+            {"params": params},
+            x,
+            MASK,
+            rngs={"sample": jax.random.PRNGKey(3)},
+            mutable=[STATS_COLLECTION],
+        )
+        return jnp.mean(st[STATS_COLLECTION]["density"][0])
+
+    def expected(params):
+        qm, s, km = _memberships(mod, params, x)
+        p = jnp.einsum("bhik,hkl,bhjl->bhij", qm, s, km)
+        per_graph = jnp.sum(p * pairs[:, None], axis=(2, 3)) / pairs.sum((1, 2))[:, None]
+        return jnp.mean(per_graph)
+
+    got = jax.grad(density)(params, mod)
+    want = jax.grad(expected)(params)
+    eq9 = jax.grad(density)(params, _module(impl="dense", ste="paper", delta=0.0))
+    for name in ("clusters", "mlp_w1", "mlp_b2", "query"):
+        for a, b, c in zip(
+            jax.tree.leaves(got[name]),
+            jax.tree.leaves(want[name]),
+            jax.tree.leaves(eq9[name]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7, err_msg=name)
+            if name == "clusters":
+                assert not np.allclose(c, b, rtol=0.05), "eq. 9 should not give the same"

@@ -118,12 +118,16 @@ def test_smoke_preset_trains_through_the_entry_point(tmp_path):
     assert all(r["density"] == 1.0 for r in train)
 
 
-def test_smoke_preset_with_sbm_logs_density(tmp_path):
+@pytest.mark.parametrize("mechanism", ["sbm", "sbm_pairs"])
+def test_smoke_preset_with_sbm_logs_density(tmp_path, mechanism):
     from sbm_jax.attention import available
 
     if "sbm" not in available():
         pytest.skip("sbm attention not registered")
-    summary = _train_through_the_entry_point("sbm,smoke", str(tmp_path / "sbm"))
+    summary = _train_through_the_entry_point(f"{mechanism},smoke", str(tmp_path / "sbm"))
+    assert summary["config"]["model"]["attention_options"]["ste"] == (
+        "pairs" if mechanism == "sbm_pairs" else "paper"
+    )
     train = _check_run(summary, str(tmp_path / "sbm"))
     densities = [r["density"] for r in train]
     assert all(0.0 < d <= 1.0 for d in densities)

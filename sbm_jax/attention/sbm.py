@@ -329,7 +329,7 @@ def sbm_attention_core(
     dense path). See :func:`plan_paths` for the static path choice.
     """
     check_law(law)
-    check_ste(ste)
+    check_ste(ste, impl=impl)
     batch, heads, length, _ = q.shape
     forced_half = _forced_half_width(self_loops, window)
     all_caps = bucket_capacities(capacity_buckets, length, length)
@@ -542,7 +542,10 @@ class SBMAttention(nn.Module):
         mask scales the logit: ``dL/dp_e = dL/da_e * s_e``) or ``"reference"`` (the
         authors' released code: the mask multiplies the post-softmax weights, rows are
         renormalised, and ``dL/dp_e = clip(dL/dM_e, -1, 1)`` with the density term
-        inside the clip). Same forward pass.
+        inside the clip), or ``"pairs"`` (ours, not in the paper; ``impl="dense"``
+        only): every real pair, sampled or not, gets the first-order change of the
+        loss when it is removed or added (see :mod:`sbm_jax.kernels.dense`). Same
+        forward pass.
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
@@ -605,7 +608,7 @@ class SBMAttention(nn.Module):
             raise ValueError(f"edge_cost must be > 0 (or None), got {self.edge_cost}")
         if self.kernel not in EDGE_KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
-        check_ste(self.ste, "ste")
+        check_ste(self.ste, "ste", impl=self.impl)
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         for field in ("max_dense_elements", "max_edge_slots", "dense_below"):

@@ -32,6 +32,15 @@ the edge count (the density term):
 * ``"paper"`` (eq. 9, logit ``s_e * M_e``): ``dL/dp_e = da_e * s_e + c``;
 * ``"reference"`` (the released code, mask on the post-softmax weights, rows
   renormalised, ``hardtanh`` backward): ``dL/dp_e = clip(da_e + c, -1, 1)``.
+* ``"pairs"`` (ours, not in the paper; this path only, it needs every pair): every
+  real pair gets the first-order change of ``L`` when it is flipped. On an edge,
+  ``da_e + c`` (removing it); on an absent pair, ``sigma_e (g_e - sum_j a_ij g_ij) + c``
+  with ``sigma_e = sigmoid(s_e - lse_i)``, the weight the pair would take if it were
+  added (1 in a row without edges). A row's edges' ``da`` sum to zero and its eq. 9
+  terms ``da_e s_e`` sum to ``dL/d beta_i``, the derivative in a common scale of the
+  row's scores, so under ``"paper"`` and ``"reference"`` a row's density moves with
+  its score temperature or not at all; here the absent pairs carry whether more keys
+  would help (docs/synthetic.md, "Where eq. 9's density signal comes from").
 
 Temporaries are ``O(bq m)`` per block plus ``O((n + m)(d + k))`` for the inputs and
 accumulators. FLOPs per pair: ``2k`` (p) + ``4d`` (scores, ``w v``) forward, ``6k + 10d``
@@ -60,7 +69,7 @@ class DenseConfig(NamedTuple):
 
     block_rows: int  # bq
     law: str  # "bernoulli" or "poisson"
-    ste: str  # "paper" or "reference"
+    ste: str  # "paper", "reference" or "pairs"
     forced_half: int  # forced edges |i - j| <= forced_half; -1 for none
     dropout_rate: float  # 0.0: no dropout
 
@@ -128,6 +137,21 @@ def _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask):
     mask = block_mask(cfg, key, b, ys_b, zk, delta, qm_b, k_mask)
     s = jnp.dot(q_b.astype(jnp.float32), k.astype(jnp.float32).T) / math.sqrt(q_b.shape[-1])
     return mask, s
+
+
+def _pair_gain(mask, s, lse_b, dw, d_b, da):
+    """``[bq, m]``: the ``"pairs"`` estimator's ``dL/dM`` on every pair of a block.
+
+    On an edge, the logit cotangent ``da`` (the derivative of ``L`` in a weight ``M`` on
+    ``exp(s)``). On an absent pair, the first-order change of ``L`` when the pair is
+    added: the row's output moves to ``out + sigma (v_j - out)`` with ``sigma =
+    e^s / (Z + e^s) = sigmoid(s - lse)`` (1 in a row without edges, whose output is 0),
+    so ``dL ~ sigma (dOut . v_j - dOut . out) = sigma (dw - D)``.
+    """
+    sigma = jnp.where(
+        jnp.any(mask, axis=-1, keepdims=True), jax.nn.sigmoid(s - lse_b[:, None]), 1.0
+    )
+    return jnp.where(mask, da, sigma * (dw - d_b[:, None]))
 
 
 def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
@@ -208,11 +232,17 @@ def _streamed_bwd(cfg, res, cts):
         else:
             wz = w
         da = w * (dw - d_b[:, None])  # logit cotangent, 0 off the mask
-        # dL/dM on the edges: the logit's derivative in M, plus the edge count's term.
-        g_m = (da * s if cfg.ste == "paper" else da) + dcount
-        if cfg.ste == "reference":
-            g_m = jnp.clip(g_m, -1.0, 1.0)
-        g = jnp.where(mask, g_m, 0.0)  # [bq, m] cotangent of p on the edges
+        if cfg.ste == "pairs":
+            # Every real pair: its gain or loss to first order, plus the count's term
+            # (d E[count] / dp = 1 on every pair, not only on the sampled ones).
+            real = qm_b[:, None] & k_mask[None, :]
+            g = jnp.where(real, _pair_gain(mask, s, lse_b, dw, d_b, da) + dcount, 0.0)
+        else:
+            # dL/dM on the edges: the logit's derivative in M, plus the edge count's term.
+            g_m = (da * s if cfg.ste == "paper" else da) + dcount
+            if cfg.ste == "reference":
+                g_m = jnp.clip(g_m, -1.0, 1.0)
+            g = jnp.where(mask, g_m, 0.0)  # [bq, m] cotangent of p on the edges
         ds = da * inv
         dq_b = jnp.dot(ds, k32)
         dys_b = jnp.dot(g, zk32)
@@ -275,7 +305,8 @@ def streamed_sbm_attention(
       q_mask, k_mask: ``[n]``, ``[m]`` bool, True for real tokens.
       delta: exploration probability added to every real pair.
       law: ``"bernoulli"`` or ``"poisson"`` (see :func:`block_mask`).
-      ste: ``"paper"`` or ``"reference"``: the estimator of the mask (module docstring).
+      ste: ``"paper"``, ``"reference"`` or ``"pairs"``: the estimator of the mask (module
+        docstring).
       forced_half: forced edges ``|i - j| <= forced_half`` between real tokens (0: the
         self-loops); None for none.
       dropout_rate, dropout_rng: dropout on the normalised weights (keep mask of block
