@@ -155,8 +155,8 @@ OPTIONS: dict[str, dict[str, Scaled]] = {
         "edge_cost": Scaled(_unset_float, shown=False),
         "kernel": Scaled("rows", shown=False),  # sparse path's edge kernel: "rows" or "segment"
         "cluster_init": Scaled("paper"),  # C init: "paper" (fan-in d_h) or "reference" (k*d_h)
-        # mask estimator: "paper" (eq. 9), "reference" (released code) or "pairs" (ours,
-        # every pair, impl="dense" only; docs/synthetic.md)
+        # mask estimator: "paper" (eq. 9), "reference" (released code) or "pairs" (ours:
+        # unsampled pairs get a gradient too; docs/synthetic.md)
         "ste": Scaled("paper"),
     },
     "nystromformer": {

@@ -6,29 +6,18 @@ import jax
 import jax.numpy as jnp
 
 #: The estimators of ``SBMAttention(ste=...)``: ``"paper"`` (eq. 9, the mask scales the
-#: logit) and ``"reference"`` (the authors' released code: the mask multiplies the
-#: post-softmax weights, rows are renormalised, the cotangent is clipped to [-1, 1]).
+#: logit), ``"reference"`` (the authors' released code: the mask multiplies the
+#: post-softmax weights, rows are renormalised, the cotangent is clipped to [-1, 1]) and
+#: ``"pairs"`` (ours, not in the paper: every real pair, sampled or not, gets the
+#: first-order change of the loss when flipped; :mod:`sbm_jax.kernels.dense` on the
+#: dense path, :mod:`sbm_jax.kernels.pairs` with probe keys on an edge list).
 STE_MODES = ("paper", "reference", "pairs")
 
-#: Estimators that need every pair of the graph, so only the dense path
-#: (``impl="dense"``) has them: ``"pairs"`` (not in the paper) sends ``dL/dp`` to every
-#: real pair, sampled or not; see :mod:`sbm_jax.kernels.dense`.
-DENSE_ONLY_STE = ("pairs",)
 
-
-def check_ste(ste: str, field: str = "ste", impl: str | None = None) -> None:
-    """Raise a ValueError naming ``field`` unless ``ste`` is one of :data:`STE_MODES`.
-
-    With ``impl`` (the layer's path choice) given, also unless the estimator runs on it:
-    a :data:`DENSE_ONLY_STE` estimator needs ``impl="dense"``.
-    """
+def check_ste(ste: str, field: str = "ste") -> None:
+    """Raise a ValueError naming ``field`` unless ``ste`` is one of :data:`STE_MODES`."""
     if ste not in STE_MODES:
         raise ValueError(f"{field}={ste!r} is not an estimator; choose one of {STE_MODES}")
-    if impl is not None and ste in DENSE_ONLY_STE and impl != "dense":
-        raise ValueError(
-            f"{field}={ste!r} sends gradients to unsampled pairs, which only the dense path "
-            f"visits: set impl='dense' (got impl={impl!r})"
-        )
 
 
 def straight_through(p: jax.Array) -> jax.Array:
@@ -71,12 +60,6 @@ def _clip_bwd(_, g):
 clip_cotangent.defvjp(_clip_fwd, _clip_bwd)
 
 
-def _check_edge_list_ste(ste: str) -> None:
-    check_ste(ste)
-    if ste in DENSE_ONLY_STE:
-        raise ValueError(f"ste={ste!r} needs every pair: the dense path only (impl='dense')")
-
-
 def mask_estimator(p: jax.Array, ste: str) -> jax.Array:
     """``M_ste``: 1 in the forward pass, the estimator ``ste`` of the mask backward.
 
@@ -86,7 +69,7 @@ def mask_estimator(p: jax.Array, ste: str) -> jax.Array:
     with the derivative ``d logit / dM = 1`` of a mask on the post-softmax weights), see
     :func:`edge_logit_terms`.
     """
-    _check_edge_list_ste(ste)
+    check_ste(ste)
     m = straight_through(p)
     return clip_cotangent(m) if ste == "reference" else m
 
@@ -95,10 +78,11 @@ def edge_logit_terms(m_ste: jax.Array, ste: str) -> dict[str, jax.Array]:
     """Keyword arguments of the edge kernels that put ``M_ste`` on the logits.
 
     ``"paper"``: ``{"edge_scale": M}`` (logit ``s_e * M_e``, eq. 9: ``dL/dM = dL/da * s``);
-    ``"reference"``: ``{"edge_bias": M - 1}`` (logit ``s_e + M_e - 1``: the softmax
-    masked by ``M`` after it and renormalised, ``dL/dM = dL/da``).
+    ``"reference"`` and ``"pairs"``: ``{"edge_bias": M - 1}`` (logit ``s_e + M_e - 1``:
+    the softmax masked by ``M`` after it and renormalised, ``dL/dM = dL/da``; the pairs
+    estimator adds the absent pairs with :func:`sbm_jax.kernels.pairs.with_absent_pairs`).
     """
-    _check_edge_list_ste(ste)
+    check_ste(ste)
     if ste == "paper":
         return {"edge_scale": m_ste}
     return {"edge_bias": m_ste - 1.0}

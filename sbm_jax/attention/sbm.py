@@ -44,6 +44,7 @@ from sbm_jax.fastrg import (
 from sbm_jax.kernels import KERNELS
 from sbm_jax.kernels.cost import sparse_buckets_worth_it
 from sbm_jax.kernels.dense import streamed_sbm_attention
+from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, with_absent_pairs
 from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
 
 IMPLS = ("auto", "sparse", "dense")
@@ -133,6 +134,7 @@ def _sparse_head(
     kernel="rows",
     thin_budget=None,
     ste="paper",
+    pair_probes=DEFAULT_PAIR_PROBES,
 ):
     n, m = plan.y.shape[0], plan.z.shape[0]
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
@@ -157,7 +159,16 @@ def _sparse_head(
         dropout_rng=drop_key,
         impl=kernel,
     )
-    density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / real
+    if ste == "pairs":
+        # Absent pairs, estimated from probe keys per row (sbm_jax.kernels.pairs), and the
+        # count's cotangent on every real pair (the gradient of the expected count).
+        out, num = with_absent_pairs(
+            jax.random.fold_in(key, 1), q, k, v, out, plan.ys, plan.z, keys,
+            plan.q_mask, plan.k_mask, probes=pair_probes,
+        )  # fmt: skip
+        density = num / real
+    else:
+        density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / real
     return out, density, edges.num_edges, jnp.sum(count) > capacity
 
 
@@ -317,6 +328,7 @@ def sbm_attention_core(
     kernel: str = "rows",
     ste: str = "paper",
     max_edge_slots: int = 2**26,
+    pair_probes: int = DEFAULT_PAIR_PROBES,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sample one graph per (example, head) and attend over it. Pure function.
 
@@ -329,7 +341,7 @@ def sbm_attention_core(
     dense path). See :func:`plan_paths` for the static path choice.
     """
     check_law(law)
-    check_ste(ste, impl=impl)
+    check_ste(ste)
     batch, heads, length, _ = q.shape
     forced_half = _forced_half_width(self_loops, window)
     all_caps = bucket_capacities(capacity_buckets, length, length)
@@ -392,7 +404,12 @@ def sbm_attention_core(
         # 1.43 GiB.
         def branch(c):
             head = partial(
-                _sparse_head, capacity=c, kernel=kernel, thin_budget=thin_budget, **common
+                _sparse_head,
+                capacity=c,
+                kernel=kernel,
+                thin_budget=thin_budget,
+                pair_probes=pair_probes,
+                **common,
             )
             per_head = jax.checkpoint(head, policy=SPARSE_BRANCH_POLICY)
             return jax.checkpoint(map_over_heads(per_head, per_step), policy=SPARSE_BRANCH_POLICY)
@@ -542,10 +559,13 @@ class SBMAttention(nn.Module):
         mask scales the logit: ``dL/dp_e = dL/da_e * s_e``) or ``"reference"`` (the
         authors' released code: the mask multiplies the post-softmax weights, rows are
         renormalised, and ``dL/dp_e = clip(dL/dM_e, -1, 1)`` with the density term
-        inside the clip), or ``"pairs"`` (ours, not in the paper; ``impl="dense"``
-        only): every real pair, sampled or not, gets the first-order change of the
-        loss when it is removed or added (see :mod:`sbm_jax.kernels.dense`). Same
-        forward pass.
+        inside the clip), or ``"pairs"`` (ours, not in the paper): every real pair,
+        sampled or not, gets the first-order change of the loss when it is removed or
+        added (all pairs on the dense path, :mod:`sbm_jax.kernels.dense`; on the sparse
+        path the absent ones are estimated from ``pair_probes`` keys per query row,
+        :mod:`sbm_jax.kernels.pairs`). Same forward pass.
+      pair_probes: probe keys per query row of ``ste="pairs"`` on the sparse path
+        (unbiased; at least the sequence length: every key, exact).
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
@@ -581,10 +601,11 @@ class SBMAttention(nn.Module):
     kernel: str = "rows"
     cluster_init: str = "paper"
     ste: str = "paper"
+    pair_probes: int = DEFAULT_PAIR_PROBES
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
-        for field in ("num_heads", "head_dim", "num_clusters"):
+        for field in ("num_heads", "head_dim", "num_clusters", "pair_probes"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be an int >= 1, got {value!r}")
@@ -608,7 +629,7 @@ class SBMAttention(nn.Module):
             raise ValueError(f"edge_cost must be > 0 (or None), got {self.edge_cost}")
         if self.kernel not in EDGE_KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
-        check_ste(self.ste, "ste", impl=self.impl)
+        check_ste(self.ste, "ste")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         for field in ("max_dense_elements", "max_edge_slots", "dense_below"):
@@ -693,6 +714,7 @@ class SBMAttention(nn.Module):
             dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
             kernel=self.kernel,
             ste=self.ste,
+            pair_probes=self.pair_probes,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])

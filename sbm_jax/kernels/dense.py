@@ -32,15 +32,16 @@ the edge count (the density term):
 * ``"paper"`` (eq. 9, logit ``s_e * M_e``): ``dL/dp_e = da_e * s_e + c``;
 * ``"reference"`` (the released code, mask on the post-softmax weights, rows
   renormalised, ``hardtanh`` backward): ``dL/dp_e = clip(da_e + c, -1, 1)``.
-* ``"pairs"`` (ours, not in the paper; this path only, it needs every pair): every
-  real pair gets the first-order change of ``L`` when it is flipped. On an edge,
-  ``da_e + c`` (removing it); on an absent pair, ``sigma_e (g_e - sum_j a_ij g_ij) + c``
-  with ``sigma_e = sigmoid(s_e - lse_i)``, the weight the pair would take if it were
-  added (1 in a row without edges). A row's edges' ``da`` sum to zero and its eq. 9
-  terms ``da_e s_e`` sum to ``dL/d beta_i``, the derivative in a common scale of the
-  row's scores, so under ``"paper"`` and ``"reference"`` a row's density moves with
-  its score temperature or not at all; here the absent pairs carry whether more keys
-  would help (docs/synthetic.md, "Where eq. 9's density signal comes from").
+* ``"pairs"`` (ours, not in the paper; every pair here, probes on an edge list:
+  :mod:`sbm_jax.kernels.pairs`): every real pair gets the first-order change of ``L``
+  when it is flipped. On an edge, ``da_e + c`` (removing it); on an absent pair,
+  ``sigma_e (g_e - sum_j a_ij g_ij) + c`` with ``sigma_e = sigmoid(s_e - lse_i)``, the
+  weight the pair would take if it were added (1 in a row without edges). A row's
+  edges' ``da`` sum to zero and its eq. 9 terms ``da_e s_e`` sum to ``dL/d beta_i``, the
+  derivative in a common scale of the row's scores, so under ``"paper"`` and
+  ``"reference"`` a row's density moves with its score temperature or not at all; here
+  the absent pairs carry whether more keys would help (docs/synthetic.md, "The pairs
+  estimator").
 
 Temporaries are ``O(bq m)`` per block plus ``O((n + m)(d + k))`` for the inputs and
 accumulators. FLOPs per pair: ``2k`` (p) + ``4d`` (scores, ``w v``) forward, ``6k + 10d``
