@@ -537,6 +537,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         dest="heads_mode",
         help="map core/sampler heads as the layer does on this backend, or one vmap",
     )
+    p.add_argument(
+        "--layer-options",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="SBMAttention fields for the whole-layer SBM rows instead of the module's "
+        "defaults, e.g. ste=pairs pair_probes=8 (ints, floats and strings)",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer figures")
     p.add_argument("--no-core", action="store_true", help="skip the dense and core figures")
     p.add_argument("--no-sampler", action="store_true", help="skip the fastRG figures")
@@ -564,7 +572,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         ]
     except (IndexError, ValueError):
         p.error(f"--layer-cases must look like 4096:0.05, got {args.layer_cases}")
+    try:
+        args.layer_options = dict(_option(item) for item in args.layer_options)
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def _option(item: str) -> tuple[str, Any]:
+    """``"ste=pairs"`` -> ``("ste", "pairs")``; ``"pair_probes=8"`` -> ``(.., 8)``."""
+    field, sep, text = item.partition("=")
+    if not sep or not field:
+        raise ValueError(f"--layer-options takes FIELD=VALUE items, got {item!r}")
+    for kind in (int, float):
+        try:
+            return field, kind(text)
+        except ValueError:
+            pass
+    return field, text
 
 
 def _peak_rss_gib() -> float | None:
@@ -691,8 +716,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             recs, loads = [], []
             for kind in ("full", "sbm"):
                 rec = {"section": "layer", "n": n, "density": dd, "kind": kind}
+                options = args.layer_options if kind == "sbm" else None
                 try:
-                    fn, a, info = layer_workload(kind, b, h, d, n, dd)
+                    fn, a, info = layer_workload(kind, b, h, d, n, dd, options)
                 except Exception as err:  # report, never hide: a failed layer is a result
                     rec["skipped"] = f"{type(err).__name__}: {err}"
                     log(rec)
@@ -760,6 +786,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "max_gib": args.max_gib,
             "impls": args.impls,
             "heads_mode": args.heads_mode,
+            "layer_options": getattr(args, "layer_options", {}),
             "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
         "machine": {
@@ -989,6 +1016,12 @@ def markdown(report: dict[str, Any], command: str) -> str:
     cfg, mach = report["config"], report["machine"]
     kind = mach.get("device_kind")
     device = f" ({kind})" if kind and mach["backend"] != "cpu" else ""
+    options = cfg.get("layer_options") or {}
+    layer = (
+        "the module's defaults"
+        if not options
+        else "the module's defaults but " + ", ".join(f"`{k}={v!r}`" for k, v in options.items())
+    )
     lines = [
         f"Command: `{command}`",
         "",
@@ -1001,8 +1034,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"{mach['cpu_count']} CPUs, "
         f"JAX {mach['jax']}, {mach['date']}. B={cfg['batch']}, H={cfg['heads']}, "
         f"d_h={cfg['head_dim']}, float32, forward + backward, median of {cfg['repeats']} "
-        f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with the "
-        "module's defaults against the `full` layer (same projections, "
+        f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with "
+        f"{layer} against the `full` layer (same projections, "
         "`jax.nn.dot_product_attention`), timed in alternation in one process; their time "
         "ratio is the median of the per-round ratios. Core rows: ratios to "
         "`jax.nn.dot_product_attention` at the same n.",

@@ -85,3 +85,31 @@ def test_a_stopped_run_keeps_what_it_measured(bench, tmp_path, monkeypatch, caps
     md = tmp_path / "b.md"
     bench.main(["--from-json", str(out), "--markdown", str(md)])
     assert "**Partial run** (stopped after 1 records)." in md.read_text()
+
+
+def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, monkeypatch):
+    args = bench.parse_args(["--layer-options", "ste=pairs", "pair_probes=8", "delta=0.05"])
+    assert args.layer_options == {"ste": "pairs", "pair_probes": 8, "delta": 0.05}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layer-options", "ste"])  # not FIELD=VALUE
+    seen = []
+
+    def fake_workload(kind, b, h, d, n, density, options=None, shift=None):
+        seen.append((kind, options))
+        return (lambda *a: None), (), {}
+
+    def fake_interleaved(loads, **kw):
+        return [{"median_s": 1.0, "times_s": [1.0] * 5, "temp_bytes": 2**20} for _ in loads]
+
+    monkeypatch.setattr(bench, "layer_workload", fake_workload)
+    monkeypatch.setattr(bench, "measure_interleaved", fake_interleaved)
+    out = tmp_path / "run.json"
+    argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
+    argv += ["--layer-cases", "64:0.05", "--layer-options", "ste=pairs", "--json", str(out)]
+    bench.main(argv)
+    assert seen == [("full", None), ("sbm", {"ste": "pairs"})]
+    saved = json.loads(out.read_text())
+    assert saved["config"]["layer_options"] == {"ste": "pairs"}
+    md = tmp_path / "b.md"
+    bench.main(["--from-json", str(out), "--markdown", str(md)])
+    assert "`SBMAttention` with the module's defaults but `ste='pairs'`" in md.read_text()
