@@ -300,3 +300,21 @@ def test_quick_sbm_preset_climbs_toward_dense_and_learns(tmp_path):
 
     assert np.mean([r["density"] for r in history[:20]]) < 0.35
     assert peak("density") > 0.5 and peak("accuracy") > 0.75
+
+
+@pytest.mark.slow
+def test_quick_sbm_pairs_preset_goes_dense_and_solves(tmp_path):
+    # Fig. 4 with the pairs estimator (docs/synthetic.md, "The pairs estimator"): seeds
+    # 0-2 reached density >= 0.95 by steps 182-214 and held it, and 0.99 training
+    # accuracy by steps 314-344; here seed 0, cut to 1000 steps (it is solved by ~320).
+    config = synthetic_config.get_config("sbm_pairs,quick")
+    config.train.num_steps = 1000
+    config.task.eval_batches = 0
+    train_and_evaluate(config, build_task(config), str(tmp_path))
+    history = _records(tmp_path)
+    assert np.mean([r["density"] for r in history[:20]]) < 0.35
+    late = history[-200:]
+    assert min(r["density"] for r in late) > 0.9
+    # Median, not mean: Adam makes one short loss spike per run (seed 0: near step 970,
+    # accuracy 0.83 for a few steps; the mean of steps 800-1000 was 0.9915).
+    assert np.median([r["accuracy"] for r in late]) > 0.995
