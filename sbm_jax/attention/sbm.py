@@ -565,7 +565,8 @@ class SBMAttention(nn.Module):
         path the absent ones are estimated from ``pair_probes`` keys per query row,
         :mod:`sbm_jax.kernels.pairs`). Same forward pass.
       pair_probes: probe keys per query row of ``ste="pairs"`` on the sparse path
-        (unbiased; at least the sequence length: every key, exact).
+        (unbiased; at least the sequence length: every key, exact, with ``n * m * k``
+        backward temporaries, so for short sequences and tests only).
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
