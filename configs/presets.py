@@ -189,7 +189,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sbm_poisson": ("sbm", {"edge_law": "poisson"}),  # the raw fastRG edge law
     "sbm_nowindow": ("sbm", {"window": 0}),  # GLUE's SBM without the local window
     # Our estimator (not the paper's eq. 9): every pair, sampled or not, gets its
-    # first-order gain; it needs the dense path (docs/synthetic.md, "The pairs estimator").
+    # first-order gain. Run on the dense path, where that sum is exact and where it was
+    # measured (the sparse path estimates it from probes; docs/synthetic.md, "The pairs
+    # estimator").
     "sbm_pairs": ("sbm", {"ste": "pairs", "impl": "dense"}),
 }
 
