@@ -49,14 +49,23 @@ def edge_scores(q: jax.Array, k: jax.Array, edges: EdgeList) -> jax.Array:
 
 def edge_softmax(scores: jax.Array, edges: EdgeList, num_rows: int) -> jax.Array:
     """Softmax over the valid edges of each row; ``[C]`` weights, 0 in empty slots."""
+    return _edge_softmax_lse(scores, edges, num_rows)[0]
+
+
+def _edge_softmax_lse(
+    scores: jax.Array, edges: EdgeList, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`edge_softmax` and each row's log-normaliser ``[num_rows]`` (0 without edges)."""
     rows = edges.rows
     masked = jnp.where(edges.valid, scores, -jnp.inf)
     row_max = jax.ops.segment_max(masked, rows, num_segments=num_rows, indices_are_sorted=True)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     e = jnp.where(edges.valid, jnp.exp(scores - row_max[rows]), 0.0)
     denom = jax.ops.segment_sum(e, rows, num_segments=num_rows, indices_are_sorted=True)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return e / safe[rows]
+    has = denom > 0
+    safe = jnp.where(has, denom, 1.0)
+    lse = jnp.where(has, row_max + jnp.log(safe), 0.0)
+    return e / safe[rows], lse
 
 
 def edge_attention(
@@ -70,7 +79,8 @@ def edge_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     impl: str = "segment",
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax attention restricted to the edges of ``edges``.
 
     Args:
@@ -88,9 +98,13 @@ def edge_attention(
         row-sorted edge list with a flash-style backward (needs the EdgeList layout
         contract: valid edges first, sorted by row).
 
+      return_lse: also return each row's log-normaliser ``lse [n]`` float32 (of the
+        logits before dropout; 0 for a row without edges), as the kernel keeps it for its
+        backward pass. It carries no gradient (``stop_gradient``).
+
     Returns:
-      ``[n, dv]``; a row with no valid edge is exactly 0. Empty slots contribute nothing
-      and receive zero gradient.
+      ``[n, dv]``, or ``(out, lse)`` with ``return_lse``; a row with no valid edge is
+      exactly 0. Empty slots contribute nothing and receive zero gradient.
     """
     _check_qkv(q, k, v)
     if impl != "segment":
@@ -106,6 +120,7 @@ def edge_attention(
             edge_bias=edge_bias,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
+            return_lse=return_lse,
         )
     n = q.shape[0]
     s = edge_scores(q, k, edges)
@@ -113,13 +128,14 @@ def edge_attention(
         s = s * jnp.where(edges.valid, edge_scale, 0.0)
     if edge_bias is not None:
         s = s + jnp.where(edges.valid, edge_bias, 0.0)
-    w = edge_softmax(s, edges, n)
+    w, lse = _edge_softmax_lse(s, edges, n)
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
         w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
     contrib = w[:, None] * v[edges.cols].astype(jnp.float32)  # accumulate in float32
     out = jax.ops.segment_sum(contrib, edges.rows, num_segments=n, indices_are_sorted=True)
-    return out.astype(v.dtype)
+    out = out.astype(v.dtype)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 def dense_masked_attention(

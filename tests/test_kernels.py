@@ -305,3 +305,34 @@ def test_rows_kernel_keeps_float32_scores_under_bf16(scale):
     for low, high in zip((out, *grads), (ref_out, *ref_grads), strict=True):
         low, high = np.asarray(low, np.float32), np.asarray(high)
         np.testing.assert_allclose(low, high, rtol=2**-7, atol=2**-7 * np.abs(high).max())
+
+
+def _naive_lse(q, k, edges: EdgeList, scale) -> np.ndarray:
+    # float64: log sum_e exp(scaled score) over each row's valid slots; 0 without edges.
+    q, k, scale = (np.asarray(a, np.float64) for a in (q, k, scale))
+    rows, cols, ok = (np.asarray(a) for a in (edges.rows, edges.cols, edges.valid))
+    lse = np.zeros(q.shape[0])
+    for i in range(q.shape[0]):
+        sel = np.nonzero(ok & (rows == i))[0]
+        if len(sel):
+            s = np.array([q[i] @ k[cols[e]] / np.sqrt(q.shape[1]) * scale[e] for e in sel])
+            lse[i] = s.max() + np.log(np.exp(s - s.max()).sum())
+    return lse
+
+
+@pytest.mark.parametrize("impl", ["segment", *KERNELS])
+def test_return_lse_is_each_rows_log_normaliser_without_gradient(impl):
+    mask = _mask(2, 0.3)
+    edges = _edges(mask, extra_slots=6)
+    q, k, v, scale, g = _inputs(2, edges.capacity)
+    out, lse = edge_attention(q, k, v, edges, edge_scale=scale, impl=impl, return_lse=True)
+    np.testing.assert_allclose(lse, _naive_lse(q, k, edges, scale), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(lse)[~mask.any(1)] == 0.0)
+    np.testing.assert_allclose(out, edge_attention(q, k, v, edges, edge_scale=scale, impl=impl))
+
+    # lse carries no gradient: a loss on it and the output has the output's gradient.
+    def loss(q, with_lse):
+        o, s = edge_attention(q, k, v, edges, edge_scale=scale, impl=impl, return_lse=True)
+        return jnp.sum(o * g) + (jnp.sum(s**2) if with_lse else 0.0)
+
+    np.testing.assert_array_equal(jax.grad(loss)(q, True), jax.grad(loss)(q, False))

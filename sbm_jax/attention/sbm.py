@@ -158,12 +158,14 @@ def _sparse_head(
         dropout_rate=rate,
         dropout_rng=drop_key,
         impl=kernel,
+        return_lse=ste == "pairs",
     )
     if ste == "pairs":
         # Absent pairs, estimated from probe keys per row (sbm_jax.kernels.pairs), and the
         # count's cotangent on every real pair (the gradient of the expected count).
+        out, lse = out
         out, num = with_absent_pairs(
-            jax.random.fold_in(key, 1), q, k, v, out, plan.ys, plan.z, keys,
+            jax.random.fold_in(key, 1), q, k, v, out, lse, plan.ys, plan.z, keys,
             plan.q_mask, plan.k_mask, probes=pair_probes,
         )  # fmt: skip
         density = num / real

@@ -14,10 +14,11 @@ unbiased. With ``R >= m`` the probes are every key once (weight 1): exact.
 :func:`absent_pair_term` is 0 in the forward pass and carries that estimate in its
 backward pass (to ``ys`` and ``z`` only; the queries, keys and values get their
 gradients from the attention itself), so the forward pass is unchanged. Cost: O(n R d)
-for the probe scores and ``dOut . v`` products, O(C d) for the rows' log-normalisers
-(recomputed from the edges), and O(n R k) for the membership products, in the backward
-pass only. The count's term has a closed form: ``sum_{ij real} p_ij = (sum_i ys_i) .
-(sum_j z_j)`` (:func:`expected_pair_sum`).
+for the probe scores and ``dOut . v`` products and O(n R k) for the membership
+products, in the backward pass only, walked in blocks of query rows
+(:data:`PROBE_BLOCK_ELEMENTS`); the rows' log-normalisers are the attention kernel's own
+(``edge_attention(..., return_lse=True)``). The count's term has a closed form:
+``sum_{ij real} p_ij = (sum_i ys_i) . (sum_j z_j)`` (:func:`expected_pair_sum`).
 """
 
 from __future__ import annotations
@@ -64,67 +65,80 @@ def expected_pair_sum(
     return jnp.dot(rows, cols)
 
 
+#: Elements of the per-block ``[rows, R, k]`` membership gathers in the backward pass of
+#: :func:`absent_pair_term` (1 MiB in float32): the probes are walked in blocks of query
+#: rows so that no ``[n, R, k]`` temporary exists.
+PROBE_BLOCK_ELEMENTS = 2**18
+
+
 @jax.custom_vjp
-def absent_pair_term(q, k, v, out, ys, z, keys, cols, weight, q_mask, k_mask):
+def absent_pair_term(q, k, v, out, lse, ys, z, keys, cols, weight, q_mask, k_mask):
     """Zero ``[n, dv]`` (batched like ``out``); its backward pass sends the probes'
     estimate of the absent pairs' gains to ``ys`` and ``z`` (module docstring).
 
     ``q [n, d]``, ``k [m, d]``, ``v [m, dv]``; ``out [n, dv]`` the attention output on the
-    edges; ``ys [n, k]``, ``z [m, K >= k]``; ``keys [C]`` the sorted edge keys ``i * m + j``
-    (sentinel ``n * m`` in empty slots); ``cols [n, R]``, ``weight []`` from
-    :func:`probe_columns`; ``q_mask [n]``, ``k_mask [m]`` the real tokens. Add the result
-    to ``out``: the cotangent it receives is the output's.
+    edges and ``lse [n]`` its rows' log-normalisers (``edge_attention(...,
+    return_lse=True)``); ``ys [n, k]``, ``z [m, K >= k]``; ``keys [C]`` the sorted edge
+    keys ``i * m + j`` (sentinel ``n * m`` in empty slots); ``cols [n, R]``, ``weight []``
+    from :func:`probe_columns`; ``q_mask [n]``, ``k_mask [m]`` the real tokens. Add the
+    result to ``out``: the cotangent it receives is the output's.
     """
-    del q, k, v, ys, z, keys, cols, weight, q_mask, k_mask
+    del q, k, v, lse, ys, z, keys, cols, weight, q_mask, k_mask
     return out * 0.0
 
 
-def _term_fwd(q, k, v, out, ys, z, keys, cols, weight, q_mask, k_mask):
-    res = (q, k, v, out, ys, z, keys, cols, weight, q_mask, k_mask)
+def _term_fwd(q, k, v, out, lse, ys, z, keys, cols, weight, q_mask, k_mask):
+    res = (q, k, v, out, lse, ys, z, keys, cols, weight, q_mask, k_mask)
     return out * 0.0, res
 
 
-def _row_lse(q, k, keys, n, m):
-    """Each row's log-normaliser over its edges (0 for a row without edges) and whether
-    the row has an edge; the scores are recomputed from the edge keys, O(C d)."""
-    f32 = jnp.float32
-    valid = keys != n * m
-    rows = jnp.where(valid, keys // m, n - 1)
-    ecols = jnp.where(valid, keys % m, 0)
-    s = jnp.sum(q[rows].astype(f32) * k[ecols].astype(f32), -1) / math.sqrt(q.shape[-1])
-    s = jnp.where(valid, s, -jnp.inf)
-    mx = jax.ops.segment_max(s, rows, num_segments=n, indices_are_sorted=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    den = jax.ops.segment_sum(
-        jnp.where(valid, jnp.exp(s - mx[rows]), 0.0), rows, num_segments=n, indices_are_sorted=True
-    )
-    has = den > 0
-    return jnp.where(has, mx + jnp.log(jnp.where(has, den, 1.0)), 0.0), has
+def _rows_with_edges(keys: jax.Array, n: int, m: int) -> jax.Array:
+    """``[n]`` bool: whether row ``i`` has an edge (a key in ``[i m, (i + 1) m)``);
+    O(n log C) on the sorted keys."""
+    bounds = jnp.searchsorted(keys, jnp.arange(n + 1, dtype=keys.dtype) * m, side="left")
+    return bounds[1:] > bounds[:-1]
 
 
 def _term_bwd(res, dout):
-    q, k, v, out, ys, z, keys, cols, weight, q_mask, k_mask = res
+    q, k, v, out, lse, ys, z, keys, cols, weight, q_mask, k_mask = res
     f32 = jnp.float32
     n, m, kc = q.shape[0], k.shape[0], ys.shape[1]
+    probes = cols.shape[1]
     dout = dout.astype(f32)
     big_d = jnp.sum(dout * out.astype(f32), -1)  # [n]
-    lse, has = _row_lse(q, k, keys, n, m)
-    s = jnp.einsum("nd,nrd->nr", q.astype(f32), k[cols].astype(f32)) / math.sqrt(q.shape[-1])
-    sigma = jnp.where(has[:, None], jax.nn.sigmoid(s - lse[:, None]), 1.0)
-    dw = jnp.einsum("nd,nrd->nr", dout, v[cols].astype(f32))
-    gain = sigma * (dw - big_d[:, None])
-    pair = jnp.arange(n, dtype=keys.dtype)[:, None] * m + cols
-    at = jnp.minimum(jnp.searchsorted(keys, pair), keys.shape[0] - 1)
-    present = keys[at] == pair
-    ok = q_mask[:, None] & k_mask[cols] & ~present
-    g = jnp.where(ok, gain * weight, 0.0)  # [n, R]: cotangent of p on the probes
+    has = _rows_with_edges(keys, n, m)
     zc = z[:, :kc].astype(f32)
-    dys = jnp.einsum("nr,nrk->nk", g, zc[cols])
-    dz_k = (
-        jnp.zeros((m, kc), f32)
-        .at[cols.reshape(-1)]
-        .add((g[:, :, None] * ys.astype(f32)[:, None, :]).reshape(-1, kc))
-    )
+    inv = 1.0 / math.sqrt(q.shape[-1])
+    br = max(1, min(n, PROBE_BLOCK_ELEMENTS // (probes * kc)))
+    pad = -n % br
+    # Padded rows are masked out (q_mask False): their gains are 0.
+    row_ops = (q.astype(f32), dout, big_d, lse.astype(f32), has, q_mask, cols, ys.astype(f32))
+    row_ops = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in row_ops)
+
+    def block(i, carry):
+        dys, dz = carry
+        start = i * br
+        qb, db, bd, lb, hb, mb, cb, yb = (
+            jax.lax.dynamic_slice_in_dim(a, start, br) for a in row_ops
+        )
+        s = jnp.einsum("nd,nrd->nr", qb, k[cb].astype(f32)) * inv
+        sigma = jnp.where(hb[:, None], jax.nn.sigmoid(s - lb[:, None]), 1.0)
+        dw = jnp.einsum("nd,nrd->nr", db, v[cb].astype(f32))
+        gain = sigma * (dw - bd[:, None])
+        row = (start + jnp.arange(br, dtype=keys.dtype))[:, None]
+        pair = row * m + cb
+        at = jnp.minimum(jnp.searchsorted(keys, pair), keys.shape[0] - 1)
+        present = keys[at] == pair
+        ok = mb[:, None] & k_mask[cb] & ~present
+        g = jnp.where(ok, gain * weight, 0.0)  # [br, R]: cotangent of p on the probes
+        dys = jax.lax.dynamic_update_slice_in_dim(
+            dys, jnp.einsum("nr,nrk->nk", g, zc[cb]), start, axis=0
+        )
+        dz = dz.at[cb.reshape(-1)].add((g[:, :, None] * yb[:, None, :]).reshape(-1, kc))
+        return dys, dz
+
+    init = (jnp.zeros((n + pad, kc), f32), jnp.zeros((m, kc), f32))
+    dys, dz_k = jax.lax.fori_loop(0, (n + pad) // br, block, init)
     dz = jnp.zeros(z.shape, f32).at[:, :kc].set(dz_k)
     zeros = jnp.zeros_like
     return (
@@ -132,7 +146,8 @@ def _term_bwd(res, dout):
         zeros(k),
         zeros(v),
         zeros(out),
-        dys.astype(ys.dtype),
+        zeros(lse),
+        dys[:n].astype(ys.dtype),
         dz.astype(z.dtype),
         None,
         None,
@@ -151,6 +166,7 @@ def with_absent_pairs(
     k: jax.Array,
     v: jax.Array,
     out: jax.Array,
+    lse: jax.Array,
     ys: jax.Array,
     z: jax.Array,
     keys: jax.Array,
@@ -161,6 +177,8 @@ def with_absent_pairs(
 ) -> tuple[jax.Array, jax.Array]:
     """The ``"pairs"`` estimator's terms on an edge list, for attention computed with the
     edge logits ``s_e + (M_ste - 1)`` (so each edge's ``dL/dM`` is its logit cotangent).
+    ``out`` and ``lse`` are that attention's output and rows' log-normalisers
+    (``edge_attention(..., return_lse=True)``).
 
     Returns ``(out + absent_pair_term(...), count)``: the output (unchanged in value),
     whose backward pass adds the probes' estimate of the absent pairs' gains, and the
@@ -170,8 +188,9 @@ def with_absent_pairs(
     """
     n, m = q.shape[0], k.shape[0]
     cols, weight = probe_columns(key, k_mask, n, probes)
+    sg = jax.lax.stop_gradient
     out = out + absent_pair_term(
-        q, k, v, jax.lax.stop_gradient(out), ys, z, keys, cols, weight, q_mask, k_mask
+        q, k, v, sg(out), sg(lse), ys, z, keys, cols, weight, q_mask, k_mask
     )
     expected = expected_pair_sum(ys, z, q_mask, k_mask)
     num = jax.lax.stop_gradient(jnp.sum(keys != n * m).astype(jnp.float32))

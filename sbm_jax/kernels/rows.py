@@ -277,7 +277,8 @@ def _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rows_attention(cfg, q, k, v, scale, bias, z, cols, blocks):
-    return _forward(cfg, q, k, v, scale, bias, z, cols, blocks)[0]
+    """``(out, lse)``; ``lse``'s cotangent is dropped (callers stop its gradient)."""
+    return _forward(cfg, q, k, v, scale, bias, z, cols, blocks)
 
 
 def _rows_fwd(cfg, q, k, v, scale, bias, z, cols, blocks):
@@ -285,10 +286,11 @@ def _rows_fwd(cfg, q, k, v, scale, bias, z, cols, blocks):
     # Tagged so that a jax.checkpoint policy can keep them (see EDGE_KERNEL_RESIDUAL_NAMES).
     out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
     out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
-    return out, (q, k, v, scale, bias, z, cols, blocks, out, lse)
+    return (out, lse), (q, k, v, scale, bias, z, cols, blocks, out, lse)
 
 
-def _rows_bwd(cfg, res, dout):
+def _rows_bwd(cfg, res, cts):
+    dout, _ = cts  # lse is returned under stop_gradient: its cotangent is zero
     q, k, v, scale, bias, z, cols, blocks, out, lse = res
     g = _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout)
     zero_ints = jax.tree.map(lambda _: None, (cols, blocks))
@@ -318,7 +320,8 @@ def rows_edge_attention(
     dropout_rng: jax.Array | None = None,
     slots_per_row: int | None = None,
     block_slots: int = DEFAULT_BLOCK_SLOTS,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Same contract as :func:`sbm_jax.edge_ops.edge_attention` (``impl="rows"``).
 
     Args:
@@ -332,8 +335,12 @@ def rows_edge_attention(
       block_slots: slots per streamed block (static); the block holds
         ``max(1, block_slots // R)`` virtual rows.
 
+      return_lse: also return the per-row log-normaliser the backward pass keeps (``[n]``
+        float32, 0 for a row without edges), under ``stop_gradient``.
+
     Returns:
-      ``[n, dv]``; rows without a valid edge are exactly 0; empty slots get zero gradient.
+      ``[n, dv]`` (or ``(out, lse)``); rows without a valid edge are exactly 0; empty
+      slots get zero gradient.
     """
     n = q.shape[0]
     cap = edges.capacity
@@ -363,4 +370,5 @@ def rows_edge_attention(
         has_dropout=has_dropout,
     )
     cols = edges.cols.astype(jnp.int32)
-    return _rows_attention(cfg, q, k, v, scale, bias, z, cols, blocks)
+    out, lse = _rows_attention(cfg, q, k, v, scale, bias, z, cols, blocks)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
