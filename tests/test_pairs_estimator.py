@@ -13,6 +13,7 @@ import pytest
 
 from sbm_jax.edge_ops import edge_attention
 from sbm_jax.fastrg import edge_probs_straight_through, edges_from_keys
+from sbm_jax.kernels import pairs
 from sbm_jax.kernels.pairs import probe_columns, with_absent_pairs
 from tests.test_dense_path import K_MASK, Q_MASK, M, N, _f32, _inputs, _numpy_reference
 
@@ -68,8 +69,6 @@ def test_every_key_probed_matches_numpy_exactly(kernel):
 def test_probes_walked_in_blocks_of_rows_match_numpy(monkeypatch):
     # Blocks of 4 query rows (the last one padded): the row-blocked backward must give
     # the exact values of one block over every row.
-    import sbm_jax.kernels.pairs as pairs
-
     q, k, v, g, ys, zk = _inputs(6)
     monkeypatch.setattr(pairs, "PROBE_BLOCK_ELEMENTS", 4 * M * ys.shape[1])
     assert N % 4 != 0

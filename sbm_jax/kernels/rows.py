@@ -334,7 +334,6 @@ def rows_edge_attention(
       slots_per_row: ``R`` (static); default :func:`default_slots_per_row`.
       block_slots: slots per streamed block (static); the block holds
         ``max(1, block_slots // R)`` virtual rows.
-
       return_lse: also return the per-row log-normaliser the backward pass keeps (``[n]``
         float32, 0 for a row without edges), under ``stop_gradient``.
 
