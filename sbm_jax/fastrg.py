@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax._pytree import PyTreeDataclass
+from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
 LAWS = ("bernoulli", "poisson")
@@ -281,7 +282,7 @@ def _chunked(
         blocked = tuple(a.reshape(-1, chunk) for a in xs)
         return jax.lax.map(lambda t: fn(*t), blocked).reshape(-1)[:size]
     dtype = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((chunk,), a.dtype) for a in xs)).dtype
-    out = jnp.full((size + pad,), fill, dtype)
+    out = vary_like(jnp.full((size + pad,), fill, dtype), xs, count)
 
     def step(i, out):
         part = tuple(jax.lax.dynamic_slice(a, (i * chunk,), (chunk,)) for a in xs)
@@ -386,6 +387,7 @@ def _probs_ste_bwd(res, g):
         return dys, dz
 
     init = (jnp.zeros((n, k), jnp.float32), jnp.zeros((m, k), jnp.float32))
+    init = vary_like(init, ys32, zk, rows, cols, g)
     dys, dzk = jax.lax.fori_loop(0, live_chunks, step, init)
     dz = jnp.pad(dzk, ((0, 0), (0, kz - k)))
     return dys.astype(ys.dtype), dz.astype(z.dtype), None, None, None

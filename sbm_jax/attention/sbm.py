@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._varying import vary_like
 from sbm_jax.attention._projections import HEADS, KV, head_dense, named, out_dense
 from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -198,7 +199,9 @@ def _dense_head(
         dropout_rng=drop_key if rate > 0.0 else None,
     )
     density = num / _real_pairs(plan.q_mask, plan.k_mask)
-    return out, density, jax.lax.stop_gradient(num).astype(jnp.int32), jnp.asarray(False)
+    edges = jax.lax.stop_gradient(num).astype(jnp.int32)
+    # (never overflows; varying like the rest inside jax.shard_map, as the switch needs)
+    return out, density, edges, vary_like(jnp.asarray(False), num)
 
 
 def _over_batch_and_heads(fn):

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._varying import vary_like
 from sbm_jax.ste import check_ste
 
 #: Elements of one ``bq x m`` tile the block size aims at (``bq`` rows of all keys).
@@ -258,6 +259,7 @@ def _streamed_bwd(cfg, res, cts):
         jnp.zeros(v.shape, f32),
         jnp.zeros(zk.shape, f32),
     )
+    init = vary_like(init, res, cts)
     (dk, dv, dzk), (dq, dys) = jax.lax.scan(block, init, xs)
     dq = dq.reshape(n_pad, d)[:n]
     dys = dys.reshape(n_pad, -1)[:n]

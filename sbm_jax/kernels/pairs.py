@@ -28,6 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._varying import vary_like
+
 #: Probe keys per query row of the ``"pairs"`` estimator on the sparse path.
 DEFAULT_PAIR_PROBES = 16
 
@@ -137,7 +139,7 @@ def _term_bwd(res, dout):
         dz = dz.at[cb.reshape(-1)].add((g[:, :, None] * yb[:, None, :]).reshape(-1, kc))
         return dys, dz
 
-    init = (jnp.zeros((n + pad, kc), f32), jnp.zeros((m, kc), f32))
+    init = vary_like((jnp.zeros((n + pad, kc), f32), jnp.zeros((m, kc), f32)), res, dout)
     dys, dz_k = jax.lax.fori_loop(0, (n + pad) // br, block, init)
     dz = jnp.zeros(z.shape, f32).at[:, :kc].set(dz_k)
     zeros = jnp.zeros_like

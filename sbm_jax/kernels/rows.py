@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
 #: ``jax.ad_checkpoint.checkpoint_name`` tags that the fast kernels put on the values
@@ -160,8 +161,13 @@ def _live_blocks(blocks: RowBlocks, vb: int) -> jax.Array:
     return (last + vb) // vb
 
 
-def _for_blocks(blocks: RowBlocks, vb: int, body, init):
-    """``body(carry, (row_b, start_b, len_b))`` over the live blocks, in order."""
+def _for_blocks(blocks: RowBlocks, vb: int, body, init, reads=()):
+    """``body(carry, (row_b, start_b, len_b))`` over the live blocks, in order.
+
+    ``reads``: the arrays ``body`` reads besides the blocks; the initial carry is made
+    to vary like them and the blocks inside ``jax.shard_map`` (see :mod:`sbm_jax._varying`).
+    """
+    init = vary_like(init, blocks, *reads)
 
     def step(i, carry):
         sl = lambda a: jax.lax.dynamic_slice(a, (i * vb,), (vb,))  # noqa: E731
@@ -209,7 +215,7 @@ def _forward(cfg, q, k, v, scale, bias, z, cols, blocks):
         jnp.zeros((n + vb,), jnp.float32),
         jnp.zeros((n + vb, dv), jnp.float32),
     )
-    row_max, denom, acc = _for_blocks(blocks, vb, block, init)
+    row_max, denom, acc = _for_blocks(blocks, vb, block, init, (q, k, v, scale, bias, z, cols))
     row_max, denom, acc = row_max[:n], denom[:n], acc[:n]
     has = denom > 0
     out = (acc / jnp.where(has, denom, 1.0)[:, None]).astype(v.dtype)
@@ -270,7 +276,8 @@ def _backward(cfg, q, k, v, scale, bias, z, cols, blocks, out, lse, dout):
         init["dscale"] = jnp.zeros_like(scale)
     if cfg.has_bias:
         init["dbias"] = jnp.zeros_like(bias)
-    grads = _for_blocks(blocks, vb, block, init)
+    reads = (q, k, v, scale, bias, z, cols, lse, dout)
+    grads = _for_blocks(blocks, vb, block, init, reads)
     grads["dq"] = grads["dq"][:n]
     return grads
 
