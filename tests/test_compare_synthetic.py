@@ -10,6 +10,7 @@ import pytest
 from tests.scripts_testing import load_script
 
 
+@pytest.mark.slow  # suite time (15 min): an analysis script's whole run
 def test_compare_synthetic_main_writes_table_json_and_plot(tmp_path):
     script = load_script("compare_synthetic")
     out = tmp_path / "cmp"

@@ -201,6 +201,7 @@ def _resume_smoke(task: str, mech: str, data_dir: str, name: str | None, tmp_pat
     return summary
 
 
+@pytest.mark.slow  # suite time: builders tested in tests/lra, the trainer by listops
 def test_text_end_to_end(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     fake = {
@@ -224,6 +225,7 @@ def test_text_end_to_end(tmp_path, monkeypatch):
     assert summary["test_examples"] == 24
 
 
+@pytest.mark.slow  # suite time: builders tested in tests/lra, the trainer by listops
 def test_retrieval_end_to_end(tmp_path):
     from tensorflow_datasets.core.download import DownloadConfig
 

@@ -190,6 +190,7 @@ def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # suite time (15 min): test_resilience's SIGTERM resume stays in the default run
 def test_sigterm_saves_and_the_resumed_run_repeats_the_losses(tmp_path, shared_compilation_cache):
     run_dir, ref_dir = tmp_path / "run", tmp_path / "straight"
     cache = shared_compilation_cache

@@ -101,7 +101,9 @@ def _sbm_path(mod, n: int) -> int:
             marks=pytest.mark.slow,
             id="sparse-pairs-dropout",
         ),
-        pytest.param({"impl": "dense"}, True, id="dense"),  # the streamed dense path
+        # the streamed dense path (the suite's time: its loops' fix is checked by the unit
+        # test of vary_like below)
+        pytest.param({"impl": "dense"}, True, marks=pytest.mark.slow, id="dense"),
     ],
 )
 def test_sbm_layer_under_shard_map_matches_plain_jit(options, dense):

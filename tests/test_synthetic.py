@@ -118,7 +118,10 @@ def test_smoke_preset_trains_through_the_entry_point(tmp_path):
     assert all(r["density"] == 1.0 for r in train)
 
 
-@pytest.mark.parametrize("mechanism", ["sbm", "sbm_pairs"])
+@pytest.mark.parametrize(
+    "mechanism",
+    ["sbm", pytest.param("sbm_pairs", marks=pytest.mark.slow)],  # suite time (15 min)
+)
 def test_smoke_preset_with_sbm_logs_density(tmp_path, mechanism):
     from sbm_jax.attention import available
 

@@ -21,6 +21,7 @@ def test_drives_are_the_first_order_density_change_of_each_step():
     np.testing.assert_allclose(drive.drives(g_loss, g_rho, only=("'b'",)), [2.0, 4.0])
 
 
+@pytest.mark.slow  # suite time: the first-order check above stays in the default run
 def test_density_gradient_is_that_of_the_sown_density_on_the_same_graph():
     from sbm_jax.attention import STATS_COLLECTION
     from sbm_jax.training.stats import collect_attention_stats
@@ -62,6 +63,7 @@ def test_density_gradient_is_that_of_the_sown_density_on_the_same_graph():
     assert np.isfinite(sgd) and np.isfinite(adam) and sgd != 0.0
 
 
+@pytest.mark.slow  # suite time: the first-order check above stays in the default run
 def test_run_mode_measures_the_update_the_trainer_then_applied(tmp_path):
     # A smoke run keeping a checkpoint per step: the drive of "the next update" at step s
     # must be <params_{s+1} - params_s, g_rho>, with params_{s+1} the trainer's own next

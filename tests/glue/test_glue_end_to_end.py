@@ -76,6 +76,7 @@ def pretrained(tmp_path_factory, corpus_glob) -> tuple[str, dict]:
         return out, json.load(f)
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_pretraining_outputs(pretrained):
     out, summary = pretrained
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
@@ -117,6 +118,7 @@ def finetuned(pretrained, tmp_path_factory) -> dict[str, dict]:
     return summaries
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_finetuning_summaries(finetuned, pretrained):
     pre, _ = pretrained
     for task, summary in finetuned.items():
@@ -144,6 +146,7 @@ def test_finetuning_summaries(finetuned, pretrained):
         assert os.path.isfile(os.path.join(out, "tokenizer.json"))
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_dev_metrics_reach_tensorboard(finetuned):
     from tests.test_metrics_tensorboard import read_scalars
 
@@ -153,6 +156,7 @@ def test_dev_metrics_reach_tensorboard(finetuned):
             assert (tag, 2) in scalars, (tag, sorted(scalars)[:8])
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_test_predictions_in_glue_submission_format(finetuned):
     expected_files = {
         "sst2": ["SST-2.tsv"],
@@ -176,6 +180,7 @@ def test_test_predictions_in_glue_submission_format(finetuned):
             assert indices == sorted(indices)
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_finetuning_feeds_each_process_only_its_rows(pretrained):
     """What one process of a multi-process job reads: exactly its rows of each batch,
     the same as cut from the whole batch (data read from the mock GLUE)."""
@@ -196,6 +201,7 @@ def test_finetuning_feeds_each_process_only_its_rows(pretrained):
             np.testing.assert_array_equal(value, full[key][rows])
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_report_renders_table(finetuned, tmp_path, capsys):
     from scripts.glue_report import main
 
@@ -219,6 +225,7 @@ def test_report_renders_table(finetuned, tmp_path, capsys):
     assert capsys.readouterr().out == table
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_missing_tokenizer_names_the_field(pretrained, tmp_path):
     pre, _ = pretrained
     run_copy = tmp_path / "run"
@@ -233,6 +240,7 @@ def test_missing_tokenizer_names_the_field(pretrained, tmp_path):
     assert not (tmp_path / "ft" / "config.json").exists()
 
 
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_mechanism_mismatch_names_the_field(pretrained, tmp_path):
     pre, _ = pretrained
     status, _, stderr = run_train(
