@@ -125,6 +125,7 @@ def _final_state(config, task, output_dir):
     return state
 
 
+@pytest.mark.slow  # suite time: test_resilience's bit-exact resume stays
 def test_stopped_and_resumed_run_gives_the_same_params(tmp_path):
     config = tiny_config(num_steps=8, warmup_steps=2, end_learning_rate_factor=0.1)
     task = build_task(config)
@@ -210,6 +211,7 @@ def test_metrics_writer_and_progress_bar(tmp_path):
     assert "ETA 0:0" in last  # 70 steps at ~10/s: about 7 s
 
 
+@pytest.mark.slow  # suite time: test_sharded_step's 8 devices stay
 def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
     """Same steps with the batch split over 2 CPU devices give the same params."""
     script = textwrap.dedent(
