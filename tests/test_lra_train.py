@@ -160,6 +160,7 @@ def test_listops_train_resume_report(listops_data, tmp_path):
         assert f"{100 * straight['test_accuracy']:.2f} ± 0.00" in f.read()
 
 
+@pytest.mark.slow  # suite time: the density maps test stays
 def test_sbm_listops_density_summary(listops_data, tmp_path):
     """SBM: per-layer/head test density mean and std in the summary, in (0, 1]."""
     from scripts import lra_report

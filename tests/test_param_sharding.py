@@ -385,6 +385,7 @@ def test_every_mechanism_is_in_the_sweep():
     assert sorted(PER_HEAD) == available()
 
 
+@pytest.mark.slow  # suite time: test_sharded_step's heads mesh stays
 def test_per_head_params_split_and_match_one_device_reformer():
     """Reformer, whose shared ``query_key`` projection the old name rule missed: the same
     loss and gradients on a (data 4, heads 2) mesh as on one device, and each per-head

@@ -7,8 +7,11 @@ sampler, edge kernels, straight-through backward and dense path all loop). Check
 * on a one-device mesh (the check applies whatever the mesh size), every registered
   mechanism, and the SBM layer on each of its paths, gives the loss and gradients of the
   same step without ``shard_map``;
-* on four CPU devices (a subprocess), the SBM layer over a batch split four ways gives
-  each example what that example gives alone, with the same keys.
+* on four CPU devices (a subprocess, the slow run), the SBM layer over a batch split four
+  ways gives each example what that example gives alone, with the same keys.
+
+The default run keeps the unit tests of ``vary_like`` (the fix itself); the layer cases
+compile the SBM layer twice each and run with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -92,8 +95,7 @@ def _sbm_path(mod, n: int) -> int:
 @pytest.mark.parametrize(
     ("options", "dense"),
     [
-        # fastRG, the rows kernel, eq. 9's straight-through SpMMs (the default run covers
-        # them on four devices below)
+        # fastRG, the rows kernel, eq. 9's straight-through SpMMs
         pytest.param({"impl": "sparse"}, False, marks=pytest.mark.slow, id="sparse"),
         pytest.param(
             {"impl": "sparse", "ste": "pairs", "attention_dropout": 0.1},
@@ -101,8 +103,7 @@ def _sbm_path(mod, n: int) -> int:
             marks=pytest.mark.slow,
             id="sparse-pairs-dropout",
         ),
-        # the streamed dense path (the suite's time: its loops' fix is checked by the unit
-        # test of vary_like below)
+        # the streamed dense path
         pytest.param({"impl": "dense"}, True, marks=pytest.mark.slow, id="dense"),
     ],
 )
@@ -199,6 +200,7 @@ _FOUR_DEVICES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # suite time: vary_like's loop test stays
 def test_sbm_layer_split_over_four_devices_matches_each_example_alone(tmp_path):
     script = tmp_path / "four_devices.py"
     script.write_text(_FOUR_DEVICES)
