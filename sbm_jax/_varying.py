@@ -36,8 +36,7 @@ def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def vary_like(init: Any, *operands: Any) -> Any:
     """``init`` (a pytree of arrays), each leaf made to vary over every mesh axis that
     any leaf of ``operands`` varies over. The values are unchanged."""
-    leaves = jax.tree.leaves(operands)
-    axes = frozenset().union(*(_varying_axes(a) for a in leaves)) if leaves else frozenset()
+    axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(operands)))
     if not axes:
         return init
 
