@@ -57,6 +57,7 @@ class SamplingPlan(PyTreeDataclass):
     zcdf: jax.Array  # [K, m] per-cluster cumulative membership of keys
     zguide: jax.Array  # [K, G + 1] int32: first key j with zcdf[v, j] > t * total_v / G
     row_cdf: jax.Array  # [n, K] per-row cumulative weights of the key clusters
+    row_guide: jax.Array  # [n, G' + 1] int32: guide table of row_cdf (ROW_GUIDE_SPAN)
     row_rate: jax.Array  # [n] mean draws of row i: c_i sum_j (p_ij + delta)
     expected_edges: jax.Array  # [] sum of (p + delta) over all pairs
     expected_draws: jax.Array  # [] mean Poisson draw count: sum of c_i (p_ij + delta)
@@ -130,6 +131,7 @@ def make_plan(
         zcdf=zcdf,
         zguide=zguide,
         row_cdf=row_cdf,
+        row_guide=_guide_table(row_cdf, ROW_GUIDE_SPAN),
         row_rate=row_rate,
         expected_edges=expected,
         expected_draws=jnp.sum(row_rate),
@@ -187,59 +189,62 @@ def _bisect_step(cdf: jax.Array, row: jax.Array, target: jax.Array):
     return step
 
 
-def _search_rows(cdf: jax.Array, row: jax.Array, target: jax.Array) -> jax.Array:
-    """First ``j`` with ``cdf[row, j] > target`` (batched binary search, exact in-row)."""
-    length = cdf.shape[1]
-    step = _bisect_step(cdf, row, target)
-    bounds = (jnp.zeros_like(row), jnp.full_like(row, length - 1))
-    for _ in range(max(1, math.ceil(math.log2(length)))):
-        bounds = step(bounds)
-    return bounds[0]
-
-
-def _guide_size(length: int) -> int:
-    # One guide entry per ~GUIDE_SPAN keys: a bracket then holds a few keys on average.
-    return max(1, length // GUIDE_SPAN)
+def _guide_size(length: int, span: int) -> int:
+    # One guide entry per ~span entries: a bracket then holds a few entries on average.
+    return max(1, length // span)
 
 
 #: Keys per guide-table bucket in the in-cluster key search (see :func:`_guide_table`).
 GUIDE_SPAN = 8
 
+#: Clusters per guide-table bucket in the per-row key-cluster search. The row CDFs are
+#: short (``K = k + 1`` entries) but there is one per query row, and a plain binary search
+#: over them (``ceil(log2 K)`` dependent gathers per draw) was the sampler's largest cost:
+#: 87 of 145 ms for ~940k draws at n=4096, k=128 on a 2-core x86 CPU, 25 ms with this
+#: guide (2026-11-27; finer keys guides, GUIDE_SPAN 1 or 2, did not speed the key search).
+ROW_GUIDE_SPAN = 2
 
-def _guide_marks(cdf: jax.Array) -> jax.Array:
+
+def _guide_marks(cdf: jax.Array, span: int) -> jax.Array:
     """``[R, G + 1]`` the guide's cut points ``t * total / G`` of each row of ``cdf``."""
-    g = _guide_size(cdf.shape[1])
+    g = _guide_size(cdf.shape[1], span)
     t = jnp.arange(g + 1, dtype=cdf.dtype)
     return t[None, :] * cdf[:, -1:] / g
 
 
-def _guide_table(cdf: jax.Array) -> jax.Array:
+def _guide_table(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
     """Guide table (Chen and Asau's indexed search) of each row of ``cdf`` ``[R, L]``.
 
     ``table[r, t]`` is the first ``j`` with ``cdf[r, j] > t * total_r / G``, so the
     inverse CDF of a target in ``[t * total_r / G, (t + 1) * total_r / G)`` lies in
     ``[table[r, t], table[r, t + 1]]``: a bracket of ``~L / G`` entries instead of the
-    whole row. O(R G log L) to build (``G = L / GUIDE_SPAN``).
+    whole row. O(R G log L) to build (``G = L / span``).
     """
-    marks = _guide_marks(cdf)
+    marks = _guide_marks(cdf, span)
     table = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf, marks)
     return jnp.minimum(table, cdf.shape[1] - 1).astype(jnp.int32)
 
 
 def _search_guided(
-    cdf: jax.Array, table: jax.Array, row: jax.Array, target: jax.Array
+    cdf: jax.Array,
+    table: jax.Array,
+    row: jax.Array,
+    target: jax.Array,
+    total: jax.Array | None = None,
 ) -> jax.Array:
-    """Same as :func:`_search_rows` (first ``j`` with ``cdf[row, j] > target``, for
-    ``0 <= target < cdf[row, -1]``), bracketed by the guide ``table``.
+    """First ``j`` with ``cdf[row, j] > target`` (the inverse CDF, exact, batched over
+    ``row`` and ``target``, for ``0 <= target < cdf[row, -1]``), bracketed by the guide
+    ``table`` (:func:`_guide_table`). ``total``: ``cdf[row, -1]`` if the caller has it.
 
     The bucket ``t = floor(target G / total)`` is computed in floating point, so the
     bracket is widened by two buckets on each side (rounding moves ``t`` by at most one);
-    the binary search inside it runs until every bracket in the batch has closed.
+    the binary search inside it runs until every bracket in the batch has closed. A row
+    without weight (``total = 0``, never asked for a draw) gets a finite bracket too.
     """
     length = cdf.shape[1]
     g = table.shape[1] - 1
-    total = cdf[row, -1]
-    t = jnp.floor(target * g / total).astype(jnp.int32)
+    total = cdf[row, -1] if total is None else total
+    t = jnp.floor(target * g / jnp.where(total > 0, total, 1.0)).astype(jnp.int32)
     tflat = table.reshape(-1)
     tbase = row * (g + 1)
     lo = tflat[tbase + jnp.clip(t - 2, 0, g)]
@@ -577,8 +582,9 @@ def sample_edge_keys(
         # of uniforms, and none drawn for the chunks past the last draw.
         u = jax.random.uniform(jax.random.fold_in(k_cluster, slot[0]), (slot.shape[0], 2))
         total_r = plan.row_cdf[r, -1]
-        v = _search_rows(plan.row_cdf, r, _below(total_r, u[:, 0]))
-        cols = _search_guided(plan.zcdf, plan.zguide, v, _below(plan.zcdf[v, -1], u[:, 1]))
+        v = _search_guided(plan.row_cdf, plan.row_guide, r, _below(total_r, u[:, 0]), total_r)
+        total_v = plan.zcdf[v, -1]
+        cols = _search_guided(plan.zcdf, plan.zguide, v, _below(total_v, u[:, 1]), total_v)
         # A row without weight (masked, or zero memberships and no delta) never holds a
         # draw, even when a caller's counts put some there.
         active = (slot < total) & (total_r > 0)

@@ -304,12 +304,13 @@ def _cdf_cases():
     return np.cumsum(np.stack(cases), axis=1).astype(np.float32)
 
 
-def test_guided_search_is_the_plain_inverse_cdf():
+@pytest.mark.parametrize("span", [None, 1, 2])  # None: GUIDE_SPAN (keys); 2: ROW_GUIDE_SPAN
+def test_guided_search_is_the_plain_inverse_cdf(span):
     from sbm_jax.fastrg import GUIDE_SPAN, _below, _guide_table, _search_guided
 
     cdf = jnp.asarray(_cdf_cases())
-    table = _guide_table(cdf)
-    assert table.shape == (cdf.shape[0], cdf.shape[1] // GUIDE_SPAN + 1)
+    table = _guide_table(cdf) if span is None else _guide_table(cdf, span)
+    assert table.shape == (cdf.shape[0], cdf.shape[1] // (span or GUIDE_SPAN) + 1)
     rows = jnp.repeat(jnp.arange(cdf.shape[0]), 4000)
     u = jax.random.uniform(jax.random.PRNGKey(0), rows.shape)
     # Also the cut points themselves and the largest target below each total.
