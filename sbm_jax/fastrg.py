@@ -200,8 +200,9 @@ GUIDE_SPAN = 8
 #: Clusters per guide-table bucket in the per-row key-cluster search. The row CDFs are
 #: short (``K = k + 1`` entries) but there is one per query row, and a plain binary search
 #: over them (``ceil(log2 K)`` dependent gathers per draw) was the sampler's largest cost:
-#: 87 of 145 ms for ~940k draws at n=4096, k=128 on a 2-core x86 CPU, 25 ms with this
-#: guide (2026-11-27; finer keys guides, GUIDE_SPAN 1 or 2, did not speed the key search).
+#: about 60 of 129 ms for ~839k draws at n=4096, k=128 on a 2-core x86 CPU, 13 ms with
+#: this guide (2026-11-27; finer key guides, GUIDE_SPAN 1 or 2, did not speed the key
+#: search).
 ROW_GUIDE_SPAN = 2
 
 
