@@ -195,14 +195,16 @@ def _guide_size(length: int, span: int) -> int:
 
 
 #: Keys per guide-table bucket in the in-cluster key search (see :func:`_guide_table`).
-GUIDE_SPAN = 8
+#: With the bracket of three buckets in :func:`_search_guided`, 4 took fastRG from ~118 to
+#: ~104 ms per graph against 8 with a five-bucket bracket (n=4096, 5%, k=128, one
+#: process, alternating; 2 was no faster and doubles the table).
+GUIDE_SPAN = 4
 
 #: Clusters per guide-table bucket in the per-row key-cluster search. The row CDFs are
 #: short (``K = k + 1`` entries) but there is one per query row, and a plain binary search
 #: over them (``ceil(log2 K)`` dependent gathers per draw) was the sampler's largest cost:
 #: about 60 of 129 ms for ~839k draws at n=4096, k=128 on a 2-core x86 CPU, 13 ms with
-#: this guide (2026-11-27; finer key guides, GUIDE_SPAN 1 or 2, did not speed the key
-#: search).
+#: this guide (2026-11-27).
 ROW_GUIDE_SPAN = 2
 
 
@@ -237,8 +239,11 @@ def _search_guided(
     ``row`` and ``target``, for ``0 <= target < cdf[row, -1]``), bracketed by the guide
     ``table`` (:func:`_guide_table`). ``total``: ``cdf[row, -1]`` if the caller has it.
 
-    The bucket ``t = floor(target G / total)`` is computed in floating point, so the
-    bracket is widened by two buckets on each side (rounding moves ``t`` by at most one);
+    The bucket ``t = floor(target G / total)`` is computed in floating point, and the
+    cut points ``t total / G`` are too, so ``t`` may be one off the bucket the table
+    assigns to ``target`` (float32 rounding moves ``target G / total`` by far less than
+    one bucket for any ``G`` below 2^20): the bracket spans the buckets ``t - 1`` to
+    ``t + 1``;
     the binary search inside it runs until every bracket in the batch has closed. A row
     without weight (``total = 0``, never asked for a draw) gets a finite bracket too.
     """
@@ -248,9 +253,9 @@ def _search_guided(
     t = jnp.floor(target * g / jnp.where(total > 0, total, 1.0)).astype(jnp.int32)
     tflat = table.reshape(-1)
     tbase = row * (g + 1)
-    lo = tflat[tbase + jnp.clip(t - 2, 0, g)]
-    hi = tflat[tbase + jnp.clip(t + 3, 0, g)]
-    hi = jnp.where(t + 3 > g, length - 1, hi)
+    lo = tflat[tbase + jnp.clip(t - 1, 0, g)]
+    hi = tflat[tbase + jnp.clip(t + 2, 0, g)]
+    hi = jnp.where(t + 2 > g, length - 1, hi)
     step = _bisect_step(cdf, row, target)
     lo, _ = jax.lax.while_loop(lambda b: jnp.any(b[0] < b[1]), step, (lo, hi))
     return lo
