@@ -44,7 +44,8 @@ def _init(model: Encoder, tokens, mask):
 @pytest.mark.parametrize(
     "attention, options, num_layers",
     [
-        ("full", {}, 2),
+        # suite time (~14 s each): both run with -m slow.
+        pytest.param("full", {}, 2, marks=pytest.mark.slow),
         pytest.param(  # graph sampling under remat: same 'sample' rng, same graph
             "sbm", {"num_clusters": 4, "impl": "dense"}, 1, marks=pytest.mark.slow
         ),

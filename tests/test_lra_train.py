@@ -111,6 +111,9 @@ def listops_data(tmp_path_factory):
     return data_dir, config.name
 
 
+# suite time (~23 s): resume is also checked in the default run by test_resilience's
+# SIGTERM test and LRA training by test_density_maps_are_what_the_model_sows.
+@pytest.mark.slow
 def test_listops_train_resume_report(listops_data, tmp_path):
     """12 steps straight == 6 steps, stop, resume to 12; loss falls; report tables."""
     import lra.train_task as lra_train

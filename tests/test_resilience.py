@@ -123,6 +123,8 @@ def test_stop_signals_restore_previous_handlers():
         signal.signal(signal.SIGTERM, previous)
 
 
+# suite time (~18 s: a full run to the non-finite step, then its replay); run with -m slow.
+@pytest.mark.slow
 def test_nonfinite_step_halts_with_replayable_state(tmp_path):
     """Batch 4 (metrics step 5) is poisoned; metrics flush every 3 steps, so the host
     learns of it at step 6, after one more (skipped) update."""

@@ -477,7 +477,11 @@ def _projections(params, x):
     return proj["query"], proj["key"], proj["value"], qm, s, km
 
 
-@pytest.mark.parametrize("impl", ["dense", pytest.param("sparse", marks=pytest.mark.slow)])
+# suite time (~15 s each): both paths run with -m slow; the default run keeps
+# test_core_gradients_match_dense_reference_per_head's "reference" cases.
+@pytest.mark.parametrize(
+    "impl", [pytest.param(i, marks=pytest.mark.slow) for i in ("dense", "sparse")]
+)
 def test_layer_reference_estimator_matches_the_released_code_per_parameter(monkeypatch, impl):
     # SBMAttention(ste="reference") against the released code written out in this file
     # (_reference_attention: softmax over real keys, times the mask, L1-renormalised,
