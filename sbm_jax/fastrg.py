@@ -243,9 +243,9 @@ def _search_guided(
     cut points ``t total / G`` are too, so ``t`` may be one off the bucket the table
     assigns to ``target`` (float32 rounding moves ``target G / total`` by far less than
     one bucket for any ``G`` below 2^20): the bracket spans the buckets ``t - 1`` to
-    ``t + 1``;
-    the binary search inside it runs until every bracket in the batch has closed. A row
-    without weight (``total = 0``, never asked for a draw) gets a finite bracket too.
+    ``t + 1``, and the binary search inside it runs until every bracket in the batch has
+    closed. A row without weight (``total = 0``, never asked for a draw) gets a finite
+    bracket too.
     """
     length = cdf.shape[1]
     g = table.shape[1] - 1

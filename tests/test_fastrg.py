@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sbm_jax import EdgeList, sample_sbm_graph
-from sbm_jax.fastrg import BERNOULLI_MAX_BOUND, make_plan, sample_dense_mask
+from sbm_jax.fastrg import BERNOULLI_MAX_BOUND, ROW_GUIDE_SPAN, make_plan, sample_dense_mask
 
 N, M, K = 24, 18, 4
 Q_MASK = np.arange(N) < 21
@@ -304,7 +304,8 @@ def _cdf_cases():
     return np.cumsum(np.stack(cases), axis=1).astype(np.float32)
 
 
-@pytest.mark.parametrize("span", [None, 1, 2])  # None: GUIDE_SPAN (keys); 2: ROW_GUIDE_SPAN
+# None: the default, GUIDE_SPAN (the key guide); ROW_GUIDE_SPAN: the cluster guide.
+@pytest.mark.parametrize("span", [None, 1, ROW_GUIDE_SPAN])
 def test_guided_search_is_the_plain_inverse_cdf(span):
     from sbm_jax.fastrg import GUIDE_SPAN, _below, _guide_table, _search_guided
 
