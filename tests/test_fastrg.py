@@ -192,16 +192,28 @@ def test_mismatched_clusters():
         sample_sbm_graph(jax.random.PRNGKey(0), q, s, k[None], capacity=10)
 
 
-def test_bernoulli_rows_are_oversampled_by_their_own_bound():
+@pytest.mark.parametrize("peaked", [False, True])
+def test_bernoulli_rows_are_oversampled_by_their_own_bound(peaked):
     q, s, k = _sbm(0.8)
+    if peaked:
+        # Query rows in one cluster each: there the per-cluster maximum is the tighter
+        # bound, elsewhere Cauchy-Schwarz is (both must be exercised).
+        q = q.at[: N // 2].set(jax.nn.one_hot(jnp.arange(N // 2) % K, K))
+        s = jnp.eye(K) * 0.2
     plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     p = _dense_p(q, s, k)
     real = Q_MASK[:, None] & K_MASK[None, :]
     row_max = np.where(real, p + DELTA, 0).max(1)
-    # Independent recomputation of each row's bound and factor from memberships.
-    zmax = (np.asarray(k, np.float64) * K_MASK[:, None]).max(0)
-    q_row = ((np.asarray(q, np.float64) @ np.asarray(s, np.float64)) @ zmax + DELTA) * Q_MASK
+    # Independent recomputation of each row's bound and factor from memberships: the
+    # smaller of the per-cluster-maximum and the Cauchy-Schwarz bounds.
+    kk = np.asarray(k, np.float64) * K_MASK[:, None]
+    ys = np.asarray(q, np.float64) @ np.asarray(s, np.float64)
+    by_cluster = ys @ kk.max(0)
+    by_norm = np.linalg.norm(ys, axis=1) * np.linalg.norm(kk, axis=1).max()
+    q_row = (np.minimum(by_cluster, by_norm) + DELTA) * Q_MASK
     assert np.all(q_row >= row_max - 1e-6)
+    tighter = (by_cluster < by_norm)[Q_MASK]
+    assert tighter.any() == peaked and (~tighter).any()
     c = np.where(q_row > 0, -np.log1p(-q_row) / np.maximum(q_row, 1e-12), 1.0)
     np.testing.assert_allclose(np.asarray(plan.oversample), c, rtol=1e-4)
     want = (c[:, None] * np.where(real, p + DELTA, 0)).sum()
