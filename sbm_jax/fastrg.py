@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax._pytree import PyTreeDataclass
+from sbm_jax._random import uniform
 from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
@@ -488,7 +489,7 @@ def _thin(
 def _uniform(key: jax.Array, size: int) -> jax.Array:
     # threefry makes its bits in pairs: an odd count took 5-9x longer on CPU (15.2 vs
     # 1.8 ms for ~839k floats), so draw an even count and drop the last one.
-    return jax.random.uniform(key, (size + size % 2,))[:size]
+    return uniform(key, (size + size % 2,))[:size]
 
 
 def _int_cumsum(x: jax.Array) -> jax.Array:
@@ -606,7 +607,7 @@ def sample_edge_keys(
         # Inverse CDFs: key cluster given the row, then the key inside that cluster. The
         # chunk's uniforms come from the key folded with its first slot: no [C] arrays
         # of uniforms, and none drawn for the chunks past the last draw.
-        u = jax.random.uniform(jax.random.fold_in(k_cluster, slot[0]), (slot.shape[0], 2))
+        u = uniform(jax.random.fold_in(k_cluster, slot[0]), (slot.shape[0], 2))
         total_r = plan.row_cdf[r, -1]
         v = _search_guided(plan.row_cdf, plan.row_guide, r, _below(total_r, u[:, 0]), total_r)
         total_v = plan.zcdf[v, -1]
@@ -673,7 +674,7 @@ def sample_dense_mask(
     rate = jax.lax.stop_gradient(p + delta)
     prob = jnp.minimum(rate, 1.0) if law == "bernoulli" else -jnp.expm1(-rate)
     real = q_mask[:, None] & k_mask[None, :]
-    return (jax.random.uniform(key, p.shape) < prob) & real
+    return (uniform(key, p.shape) < prob) & real
 
 
 def _dense_into_slots(key: jax.Array, plan: SamplingPlan, capacity: int, law: str) -> EdgeList:

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._random import bernoulli, uniform
 from sbm_jax._varying import vary_like
 from sbm_jax.ste import check_ste
 
@@ -109,7 +110,7 @@ def block_mask(
     p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
     rate = p + delta
     prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
-    u = jax.random.uniform(jax.random.fold_in(key, block), (bq, m))
+    u = uniform(jax.random.fold_in(key, block), (bq, m))
     mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
     if cfg.forced_half >= 0:
         # Padded tokens get far-apart positions, so no forced pair touches them. Every
@@ -124,7 +125,7 @@ def block_mask(
 
 
 def _dropout_scale(cfg: DenseConfig, drop_key, block, shape) -> jax.Array:
-    keep = jax.random.bernoulli(jax.random.fold_in(drop_key, block), 1.0 - cfg.dropout_rate, shape)
+    keep = bernoulli(jax.random.fold_in(drop_key, block), 1.0 - cfg.dropout_rate, shape)
     return jnp.where(keep, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
 
 

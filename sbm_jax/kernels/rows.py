@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._random import bernoulli
 from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
@@ -364,7 +365,7 @@ def rows_edge_attention(
     bias = edge_bias.astype(jnp.float32) if has_bias else jnp.zeros((1,), jnp.float32)
     has_dropout = dropout_rate > 0.0 and dropout_rng is not None
     if has_dropout:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))
+        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))
         z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
     else:
         z = jnp.zeros((1,), jnp.float32)
