@@ -277,12 +277,12 @@ def test_edge_probs_straight_through_matches_autodiff_of_edge_probs():
         return jnp.sum(fr.edge_probs_straight_through(ys, z, rows, cols, valid) * w)
 
     want = jax.grad(autodiff, argnums=(0, 1))(ys, z)
-    old = fr.EDGE_PROB_CHUNK
+    old = fr.STE_CHUNK
     try:
-        fr.EDGE_PROB_CHUNK = 64  # 5 chunks, the last one padded
+        fr.STE_CHUNK = 64  # 5 chunks, the last one padded
         got = jax.grad(fast, argnums=(0, 1))(ys, z)
     finally:
-        fr.EDGE_PROB_CHUNK = old
+        fr.STE_CHUNK = old
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
