@@ -500,8 +500,11 @@ def _thin(
 
 def _uniform(key: jax.Array, size: int) -> jax.Array:
     # threefry makes its bits in pairs: an odd count took 5-9x longer on CPU (15.2 vs
-    # 1.8 ms for ~839k floats), so draw an even count and drop the last one.
-    return uniform(key, (size + size % 2,))[:size]
+    # 1.8 ms for ~839k floats), so draw an even count and drop the last one. JAX's own
+    # uniforms here, not sbm_jax._random's (same bits): for this one array over all the
+    # slots, fed to three consumers, the unrolled hash made fastRG (bernoulli) 1.03-1.05x
+    # slower on CPU, with or without an optimization barrier (its rolled loop: 0.90x).
+    return jax.random.uniform(key, (size + size % 2,))[:size]
 
 
 def _int_cumsum(x: jax.Array) -> jax.Array:

@@ -110,7 +110,9 @@ def block_mask(
     p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
     rate = p + delta
     prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
-    u = uniform(jax.random.fold_in(key, block), (bq, m))
+    # Kept, not fused: the hash would otherwise be recomputed in each consumer of the
+    # mask (the layer at density 0.9 took ~4% less time with the barrier).
+    u = jax.lax.optimization_barrier(uniform(jax.random.fold_in(key, block), (bq, m)))
     mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
     if cfg.forced_half >= 0:
         # Padded tokens get far-apart positions, so no forced pair touches them. Every
