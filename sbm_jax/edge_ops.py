@@ -11,7 +11,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from sbm_jax._random import bernoulli
 from sbm_jax.graph import EdgeList
 
 # The kernels sit below this module (they never import it): ``impl`` dispatches to them.
@@ -130,7 +129,7 @@ def edge_attention(
         s = s + jnp.where(edges.valid, edge_bias, 0.0)
     w, lse = _edge_softmax_lse(s, edges, n)
     if dropout_rate > 0.0 and dropout_rng is not None:
-        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
         w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
     contrib = w[:, None] * v[edges.cols].astype(jnp.float32)  # accumulate in float32
     out = jax.ops.segment_sum(contrib, edges.rows, num_segments=n, indices_are_sorted=True)
@@ -173,7 +172,7 @@ def dense_masked_attention(
     denom = jnp.sum(e, axis=-1, keepdims=True)
     w = e / jnp.where(denom > 0, denom, 1.0)
     if dropout_rate > 0.0 and dropout_rng is not None:
-        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w.shape)
         w = jnp.where(keep, w / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("nm,md->nd", w, v.astype(jnp.float32))
     return out.astype(v.dtype)
