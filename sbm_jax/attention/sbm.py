@@ -680,14 +680,20 @@ class SBMAttention(nn.Module):
         w2 = self.param("mlp_w2", named(init, *lead, "mlp", KV), mlp_shape)
         b2 = self.param("mlp_b2", named(zeros, *lead, KV), bias_shape)
 
-        def node_embed(t: jax.Array) -> jax.Array:  # [B, L, H, hd] -> [B, L, H, hd]
-            t = t.astype(jnp.float32)
-            eq = "blhd,de->blhe" if self.shared_mlp else "blhd,hde->blhe"
-            h = jax.nn.relu(jnp.einsum(eq, t, w1) + b1)
-            return jnp.einsum(eq, h, w2) + b2
+        # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
+        # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
+        # einsum in it, with no transpose of theirs in either pass.
+        q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
+        head_bias = (lambda b: b) if self.shared_mlp else (lambda b: b[:, None, :])
 
-        q_memb = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", node_embed(q), clusters))
-        k_memb = jax.nn.sigmoid(jnp.einsum("blhd,hkd->bhlk", node_embed(kk), clusters))
+        def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
+            t = t.astype(jnp.float32)
+            eq = "bhld,de->bhle" if self.shared_mlp else "bhld,hde->bhle"
+            h = jax.nn.relu(jnp.einsum(eq, t, w1) + head_bias(b1))
+            return jnp.einsum(eq, h, w2) + head_bias(b2)
+
+        q_memb = jax.nn.sigmoid(jnp.einsum("bhld,hkd->bhlk", node_embed(q), clusters))
+        k_memb = jax.nn.sigmoid(jnp.einsum("bhld,hkd->bhlk", node_embed(kk), clusters))
         logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
         block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
 
@@ -699,9 +705,9 @@ class SBMAttention(nn.Module):
         rate = 0.0 if deterministic else self.attention_dropout
         out, stats = sbm_attention_core(
             self.make_rng("sample"),
-            q.transpose(0, 2, 1, 3),
-            kk.transpose(0, 2, 1, 3),
-            v.transpose(0, 2, 1, 3),
+            q,
+            kk,
+            v,
             q_memb,
             block,
             k_memb,
