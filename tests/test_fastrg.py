@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from sbm_jax import EdgeList, sample_sbm_graph
-from sbm_jax.fastrg import BERNOULLI_MAX_BOUND, ROW_GUIDE_SPAN, make_plan, sample_dense_mask
+from sbm_jax.fastrg import (
+    BERNOULLI_MAX_BOUND,
+    GUIDE_SPAN,
+    ROW_GUIDE_SPAN,
+    make_plan,
+    sample_dense_mask,
+)
 
 N, M, K = 24, 18, 4
 Q_MASK = np.arange(N) < 21
@@ -316,10 +322,49 @@ def _cdf_cases():
     return np.cumsum(np.stack(cases), axis=1).astype(np.float32)
 
 
+def _on_the_cut_points(total: float, length: int, span: int) -> np.ndarray:
+    """A CDF row of ``length`` entries ending at ``total``, its entries on the guide's cut
+    points and one float32 step either side of them (where rounding decides)."""
+    g = length // span
+    cuts = np.arange(g + 1, dtype=np.float32) * np.float32(total) / np.float32(g)
+    near = np.concatenate([cuts, np.nextafter(cuts, 0), np.nextafter(cuts, np.inf)])
+    # (no subnormals: XLA's CPU backend flushes them to zero, numpy does not)
+    normal = (near == 0) | (near >= np.finfo(np.float32).tiny)
+    near = np.unique(near[normal & (near < np.float32(total))])
+    pick = near[np.linspace(0, near.size - 1, length - 1).astype(int)]
+    return np.r_[np.sort(pick), np.float32(total)][None].astype(np.float32)
+
+
+@pytest.mark.parametrize("span", [1, 3, ROW_GUIDE_SPAN, GUIDE_SPAN])
+def test_guide_table_is_a_search_of_each_cut_point(span):
+    from sbm_jax.fastrg import _guide_marks, _guide_table
+
+    rng = np.random.default_rng(5)
+    cases = np.concatenate(
+        [
+            _cdf_cases(),
+            np.zeros((1, 50), np.float32),  # a row without weight
+            # weights on a grid: many entries fall exactly on a cut point
+            np.cumsum(rng.integers(0, 3, (3, 50)), axis=1).astype(np.float32),
+            np.cumsum(rng.random((3, 50)) ** 6 * 1e-3, axis=1).astype(np.float32),
+            _on_the_cut_points(0.7, 50, span),  # where the estimate t_j needs its correction
+            _on_the_cut_points(1e-30, 50, span),
+        ]
+    )
+    cdf = jnp.asarray(cases)
+    got = np.asarray(jax.jit(_guide_table, static_argnums=1)(cdf, span))
+    marks = np.asarray(_guide_marks(cdf, span))
+    # Reference: numpy's search of every cut point (first j with cdf[j] > cut), capped.
+    want = np.stack(
+        [np.searchsorted(c, t, side="right") for c, t in zip(cases, marks, strict=True)]
+    )
+    np.testing.assert_array_equal(got, np.minimum(want, cases.shape[1] - 1))
+
+
 # None: the default, GUIDE_SPAN (the key guide); ROW_GUIDE_SPAN: the cluster guide.
 @pytest.mark.parametrize("span", [None, 1, ROW_GUIDE_SPAN])
 def test_guided_search_is_the_plain_inverse_cdf(span):
-    from sbm_jax.fastrg import GUIDE_SPAN, _below, _guide_table, _search_guided
+    from sbm_jax.fastrg import _below, _guide_table, _search_guided
 
     cdf = jnp.asarray(_cdf_cases())
     table = _guide_table(cdf) if span is None else _guide_table(cdf, span)
