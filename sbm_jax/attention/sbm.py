@@ -368,8 +368,11 @@ def sbm_attention_core(
     def plan_one(qm, blk, km, qmask, kmask):
         return make_plan(qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law)
 
-    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)), in_axes=(0, None, 0, 0, 0))(
-        q_memberships, block, k_memberships, mask, mask
+    # The block matrix broadcast over the batch, as in the layer: Y S is then a product
+    # batched over (b, h) on both sides, with no transpose of Y around it.
+    per_example = jnp.broadcast_to(block, (batch, *block.shape))
+    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)))(
+        q_memberships, per_example, k_memberships, mask, mask
     )
 
     k_count, k_sample = jax.random.split(rng)
@@ -684,16 +687,21 @@ class SBMAttention(nn.Module):
         # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
         # einsum in it, with no transpose of theirs in either pass.
         q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
-        head_bias = (lambda b: b) if self.shared_mlp else (lambda b: b[:, None, :])
 
         def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
             t = t.astype(jnp.float32)
-            eq = "bhld,de->bhle" if self.shared_mlp else "bhld,hde->bhle"
-            h = jax.nn.relu(jnp.einsum(eq, t, w1) + head_bias(b1))
-            return jnp.einsum(eq, h, w2) + head_bias(b2)
+            if self.shared_mlp:
+                h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
+                return jnp.einsum("bhld,de->bhle", h, w2) + b2
+            w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
+            h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
+            return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
 
-        q_memb = jax.nn.sigmoid(jnp.einsum("bhld,hkd->bhlk", node_embed(q), clusters))
-        k_memb = jax.nn.sigmoid(jnp.einsum("bhld,hkd->bhlk", node_embed(kk), clusters))
+        # The clusters broadcast over the batch: (b, h) are then the product's batch
+        # dimensions on both sides, and XLA transposes nothing [B, H, L, k]-sized.
+        per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
+        q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
+        k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
         logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
         block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
 
