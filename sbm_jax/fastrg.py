@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from sbm_jax._pytree import PyTreeDataclass
 from sbm_jax._random import uniform
+from sbm_jax._scopes import PLAN, SAMPLE, STE_BACKWARD, scoped
 from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
@@ -75,6 +76,7 @@ def check_law(law: str, field: str = "law") -> None:
         raise ValueError(f"{field}={law!r} is not an edge law; choose one of {LAWS}")
 
 
+@scoped(PLAN)
 def make_plan(
     q_memberships: jax.Array,
     block: jax.Array,
@@ -427,6 +429,7 @@ def _probs_ste_fwd(ys, z, rows, cols, valid):
     return _ste_ones(ys, z, valid), (ys, z, rows, cols, valid)
 
 
+@scoped(STE_BACKWARD)
 def _probs_ste_bwd(res, g):
     ys, z, rows, cols, valid = res
     n, k = ys.shape
@@ -616,6 +619,7 @@ def _slot_rows(row_counts: jax.Array, capacity: int) -> jax.Array:
     return _int_cumsum(marks)
 
 
+@scoped(SAMPLE)
 def sample_edge_keys(
     key: jax.Array,
     plan: SamplingPlan,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._scopes import MEMBERSHIPS, SAMPLE
 from sbm_jax._varying import vary_like
 from sbm_jax.attention._projections import HEADS, KV, head_dense, named, out_dense
 from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
@@ -395,7 +396,8 @@ def sbm_attention_core(
         path = jnp.asarray(dense_index, jnp.int32)
     else:
         # Draws per query row ([B, H, n]): the sampler fills its slots row by row.
-        row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
+        with jax.named_scope(SAMPLE):
+            row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
         counts = jnp.sum(row_counts, axis=-1)
         operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
         # One head at a time, the thinning's lax.cond really skips work; under vmap (any
@@ -683,27 +685,28 @@ class SBMAttention(nn.Module):
         w2 = self.param("mlp_w2", named(init, *lead, "mlp", KV), mlp_shape)
         b2 = self.param("mlp_b2", named(zeros, *lead, KV), bias_shape)
 
-        # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
-        # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
-        # einsum in it, with no transpose of theirs in either pass.
-        q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
+        with jax.named_scope(MEMBERSHIPS):
+            # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
+            # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
+            # einsum in it, with no transpose of theirs in either pass.
+            q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
 
-        def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
-            t = t.astype(jnp.float32)
-            if self.shared_mlp:
-                h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
-                return jnp.einsum("bhld,de->bhle", h, w2) + b2
-            w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
-            h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
-            return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
+            def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
+                t = t.astype(jnp.float32)
+                if self.shared_mlp:
+                    h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
+                    return jnp.einsum("bhld,de->bhle", h, w2) + b2
+                w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
+                h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
+                return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
 
-        # The clusters broadcast over the batch: (b, h) are then the product's batch
-        # dimensions on both sides, and XLA transposes nothing [B, H, L, k]-sized.
-        per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
-        q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
-        k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
-        logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
-        block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
+            # The clusters broadcast over the batch: (b, h) are then the product's batch
+            # dimensions on both sides, and XLA transposes nothing [B, H, L, k]-sized.
+            per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
+            q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
+            k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
+            logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
+            block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
 
         if not self.has_rng("sample"):
             raise ValueError(

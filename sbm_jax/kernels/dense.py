@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax._random import bernoulli, uniform
+from sbm_jax._scopes import DENSE_PATH, scoped
 from sbm_jax._varying import vary_like
 from sbm_jax.ste import check_ste
 
@@ -203,6 +204,7 @@ def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
     return (out.astype(v.dtype), count.astype(jnp.float32)), res
 
 
+@scoped(DENSE_PATH)
 def _streamed_bwd(cfg, res, cts):
     q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse = res
     dout, dcount = cts
@@ -283,6 +285,7 @@ def _streamed_bwd(cfg, res, cts):
 _streamed.defvjp(_streamed_fwd, _streamed_bwd)
 
 
+@scoped(DENSE_PATH)
 def streamed_sbm_attention(
     key: jax.Array,
     q: jax.Array,

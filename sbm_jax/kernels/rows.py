@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax._random import bernoulli
+from sbm_jax._scopes import EDGE_KERNEL, scoped
 from sbm_jax._varying import vary_like
 from sbm_jax.graph import EdgeList
 
@@ -297,6 +298,7 @@ def _rows_fwd(cfg, q, k, v, scale, bias, z, cols, blocks):
     return (out, lse), (q, k, v, scale, bias, z, cols, blocks, out, lse)
 
 
+@scoped(EDGE_KERNEL)
 def _rows_bwd(cfg, res, cts):
     dout, _ = cts  # lse is returned under stop_gradient: its cotangent is zero
     q, k, v, scale, bias, z, cols, blocks, out, lse = res
@@ -316,6 +318,7 @@ def _rows_bwd(cfg, res, cts):
 _rows_attention.defvjp(_rows_fwd, _rows_bwd)
 
 
+@scoped(EDGE_KERNEL)
 def rows_edge_attention(
     q: jax.Array,
     k: jax.Array,
