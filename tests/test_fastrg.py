@@ -1,5 +1,7 @@
 """fastRG sampler: exact edge laws, layout contract, masks, probabilities, bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ from sbm_jax.fastrg import (
     BERNOULLI_MAX_BOUND,
     GUIDE_SPAN,
     ROW_GUIDE_SPAN,
+    ROW_SEARCH_WINDOW,
+    SEARCH_WINDOW,
     make_plan,
     sample_dense_mask,
 )
@@ -362,8 +366,14 @@ def test_guide_table_is_a_search_of_each_cut_point(span):
 
 
 # None: the default, GUIDE_SPAN (the key guide); ROW_GUIDE_SPAN: the cluster guide.
-@pytest.mark.parametrize("span", [None, 1, ROW_GUIDE_SPAN])
-def test_guided_search_is_the_plain_inverse_cdf(span):
+# window: entries read at once before bisection (0: bisection alone; 1 and 3: most
+# brackets outgrow the window, so the bisection finishes them).
+@pytest.mark.parametrize(
+    ("span", "window"),
+    [(None, SEARCH_WINDOW), (1, SEARCH_WINDOW), (ROW_GUIDE_SPAN, ROW_SEARCH_WINDOW)]
+    + [(None, 0), (None, 1), (ROW_GUIDE_SPAN, 3)],
+)
+def test_guided_search_is_the_plain_inverse_cdf(span, window):
     from sbm_jax.fastrg import _below, _guide_table, _search_guided
 
     cdf = jnp.asarray(_cdf_cases())
@@ -375,7 +385,8 @@ def test_guided_search_is_the_plain_inverse_cdf(span):
     edges = jnp.concatenate([jnp.linspace(0, 1, 101)] * cdf.shape[0])
     rows = jnp.concatenate([rows, jnp.repeat(jnp.arange(cdf.shape[0]), 101)])
     targets = _below(cdf[rows, -1], jnp.concatenate([u, edges]))
-    got = np.asarray(jax.jit(_search_guided)(cdf, table, rows, targets))
+    search = jax.jit(functools.partial(_search_guided, window=window))
+    got = np.asarray(search(cdf, table, rows, targets))
     # Reference: numpy's searchsorted on each row (first j with cdf[j] > target).
     c, t, r = np.asarray(cdf), np.asarray(targets), np.asarray(rows)
     want = np.array([np.searchsorted(c[i], x, side="right") for i, x in zip(r, t, strict=True)])
