@@ -696,34 +696,24 @@ def sample_edge_keys(
     total = jnp.sum(row_counts)
     del k_col  # (the two uniforms of a draw now come from one key per chunk)
 
+    # (cdf, guide, cdf padded for the window, window) of the two searches, padded once.
     row_padded = padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW)
-    z_padded = padded_cdf(plan.zcdf, SEARCH_WINDOW)
+    by_row = (plan.row_cdf, plan.row_guide, row_padded, ROW_SEARCH_WINDOW)
+    in_cluster = (plan.zcdf, plan.zguide, padded_cdf(plan.zcdf, SEARCH_WINDOW), SEARCH_WINDOW)
+
+    def inverse_cdf(search, which, u):
+        cdf, guide, padded, window = search
+        total_w = cdf[which, -1]
+        found = _search_guided(cdf, guide, which, _below(total_w, u), total_w, padded, window)
+        return found, total_w
 
     def locate(slot, r):
         # Inverse CDFs: key cluster given the row, then the key inside that cluster. The
         # chunk's uniforms come from the key folded with its first slot: no [C] arrays
         # of uniforms, and none drawn for the chunks past the last draw.
         u = uniform(jax.random.fold_in(k_cluster, slot[0]), (slot.shape[0], 2))
-        total_r = plan.row_cdf[r, -1]
-        v = _search_guided(
-            plan.row_cdf,
-            plan.row_guide,
-            r,
-            _below(total_r, u[:, 0]),
-            total_r,
-            row_padded,
-            ROW_SEARCH_WINDOW,
-        )
-        total_v = plan.zcdf[v, -1]
-        cols = _search_guided(
-            plan.zcdf,
-            plan.zguide,
-            v,
-            _below(total_v, u[:, 1]),
-            total_v,
-            z_padded,
-            SEARCH_WINDOW,
-        )
+        v, total_r = inverse_cdf(by_row, r, u[:, 0])
+        cols, _ = inverse_cdf(in_cluster, v, u[:, 1])
         # A row without weight (masked, or zero memberships and no delta) never holds a
         # draw, even when a caller's counts put some there.
         active = (slot < total) & (total_r > 0)
