@@ -319,8 +319,9 @@ def _search_guided(
     """First ``j`` with ``cdf[row, j] > target`` (the inverse CDF, exact, batched over
     ``row`` and ``target``, for ``0 <= target < cdf[row, -1]``), bracketed by the guide
     ``table`` (:func:`_guide_table`). ``total``: ``cdf[row, -1]`` if the caller has it.
-    ``padded``: :func:`padded_cdf` of ``cdf`` with this ``window``, if the caller has it
-    (a caller that searches one CDF in many chunks pads it once).
+    ``padded``: :func:`padded_cdf` of ``cdf``, if the caller has it (a caller that
+    searches one CDF in many chunks pads it once); its width sets the window, and
+    ``window`` applies only without it.
 
     The bucket ``t = floor(target G / total)`` is computed in floating point, and the
     cut points ``t total / G`` are too, so ``t`` may be one off the bucket the table
@@ -343,10 +344,9 @@ def _search_guided(
     lo = tflat[tbase + jnp.clip(t - 1, 0, g)]
     hi = tflat[tbase + jnp.clip(t + 2, 0, g)]
     hi = jnp.where(t + 2 > g, length - 1, hi)
+    padded = padded_cdf(cdf, window) if padded is None else padded
+    window = padded.shape[1] - length
     if window > 0:
-        padded = padded_cdf(cdf, window) if padded is None else padded
-        if padded.shape != (cdf.shape[0], length + window):
-            raise ValueError(f"padded has shape {padded.shape}; expected padded_cdf(cdf, {window})")
         vals = jax.vmap(lambda r, j: jax.lax.dynamic_slice(padded, (r, j), (1, window))[0])(row, lo)
         inside = lo[:, None] + jnp.arange(window, dtype=lo.dtype)[None, :] < hi[:, None]
         ahead = jnp.sum(inside & (vals <= target[:, None]), axis=1, dtype=lo.dtype)
@@ -696,15 +696,14 @@ def sample_edge_keys(
     total = jnp.sum(row_counts)
     del k_col  # (the two uniforms of a draw now come from one key per chunk)
 
-    # (cdf, guide, cdf padded for the window, window) of the two searches, padded once.
-    row_padded = padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW)
-    by_row = (plan.row_cdf, plan.row_guide, row_padded, ROW_SEARCH_WINDOW)
-    in_cluster = (plan.zcdf, plan.zguide, padded_cdf(plan.zcdf, SEARCH_WINDOW), SEARCH_WINDOW)
+    # (cdf, guide, cdf padded for its window) of the two searches, padded once.
+    by_row = (plan.row_cdf, plan.row_guide, padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW))
+    in_cluster = (plan.zcdf, plan.zguide, padded_cdf(plan.zcdf, SEARCH_WINDOW))
 
     def inverse_cdf(search, which, u):
-        cdf, guide, padded, window = search
+        cdf, guide, padded = search
         total_w = cdf[which, -1]
-        found = _search_guided(cdf, guide, which, _below(total_w, u), total_w, padded, window)
+        found = _search_guided(cdf, guide, which, _below(total_w, u), total_w, padded)
         return found, total_w
 
     def locate(slot, r):
