@@ -58,6 +58,19 @@ def test_issue14_table_from_a_saved_report(bench):
     tim = rows["whole-layer time SBM / full, 5%, n=4096"]
     assert tim["value"] == pytest.approx(0.55) and tim["met"] is True
     assert rows["n=1024, 5%: time SBM / full"]["value"] is None
+    fastrg = "fastRG (bernoulli) time / attention core (rows) fwd+bwd, 5%"
+    assert rows[fastrg]["value"] is None  # neither measured
+    core = dict(section="core", n=4096, density=0.05, impl="rows", median_s=0.5)
+    sample = dict(section="sample", n=4096, density=0.05, kind="fastRG bernoulli", median_s=0.6)
+    report["results"] += [core, sample]
+    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    assert rows[fastrg]["value"] == pytest.approx(1.2) and rows[fastrg]["met"] is False
+    # Timed in alternation with the core: the median of the per-round ratios counts.
+    sample.update(median_round_ratio=0.95, core_median_s=0.6)
+    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    assert rows[fastrg]["value"] == pytest.approx(0.95) and rows[fastrg]["met"] is True
+    (row,) = [r for r in bench.ratio_rows(report) if r["what"] == "fastRG bernoulli"]
+    assert "alternation" in row["note"] and "600.0 ms" in row["note"], row
 
 
 def test_a_stopped_run_keeps_what_it_measured(bench, tmp_path, monkeypatch, capsys):
