@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+
+
+def xla_flags(cpu_devices: int | None = None) -> str:
+    """``XLA_FLAGS`` for a test's subprocess: the suite's compile flags (tests/conftest.py)
+    and, if given, a number of CPU devices."""
+    flags = os.environ.get("SBM_TEST_XLA_FLAGS", "")
+    if cpu_devices is not None:
+        flags += f" --xla_force_host_platform_device_count={cpu_devices}"
+    return flags.strip()
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sbm_jax.training import distributed as dist
-from tests.process_testing import free_port, run_and_collect
+from tests.process_testing import free_port, run_and_collect, xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,7 +196,7 @@ def _run_workers(script: str, nproc: int, devices_per_process: int) -> list[dict
         env.pop(key, None)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        XLA_FLAGS=xla_flags(devices_per_process),
         PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
     )
     coordinator = f"127.0.0.1:{free_port()}"

@@ -15,7 +15,7 @@ from lra.input_pipeline import batch_examples, train_examples
 from lra.train_task import MockSource, train_rows
 from sbm_jax.training.host_data import process_train_rows
 from sbm_jax.training.steps import make_mesh
-from tests.process_testing import free_port, run_and_collect
+from tests.process_testing import free_port, run_and_collect, xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "resilience_task.py")
@@ -44,7 +44,7 @@ def test_one_process_feeds_every_row_in_order():
 
 def _run(output_dir, nproc: int, devices: int, *flags: str) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     for key in ("SBM_COORDINATOR", "SBM_NUM_PROCESSES", "SBM_PROCESS_ID"):
         env.pop(key, None)
     extra = []

@@ -35,7 +35,7 @@ from sbm_jax.training.sharding import (
     unbox,
 )
 from sbm_jax.training.state import TrainState
-from tests.process_testing import run_and_collect
+from tests.process_testing import run_and_collect, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -358,7 +358,7 @@ SWEEP_SCRIPT = textwrap.dedent(
 
 
 def _sweep(mechanisms: list[str]) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8))
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-c", SWEEP_SCRIPT, json.dumps(mechanisms), json.dumps(OPTIONS)]

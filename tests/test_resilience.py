@@ -22,6 +22,7 @@ from sbm_jax.training.preemption import StopSignals
 from sbm_jax.training.state import create_train_state
 from sbm_jax.training.trainer import train_and_evaluate
 from tests import resilience_task
+from tests.process_testing import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "resilience_task.py")
@@ -34,7 +35,7 @@ def _records(output_dir, split: str = "train") -> list[dict]:
 
 def _launch(output_dir, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # the suite's compile flags, no device count
     return subprocess.Popen(
         [sys.executable, SCRIPT, str(output_dir), *flags],
         env=env,

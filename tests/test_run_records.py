@@ -21,6 +21,7 @@ import pytest
 
 from sbm_jax.training import cli
 from tests import compile_cache
+from tests.process_testing import xla_flags
 from tests.test_metrics_tensorboard import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +173,7 @@ def test_records_after_the_restored_step_are_cut_everywhere(tmp_path):
 
 def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **compile_cache.env(cache))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # the suite's compile flags, no device count
     return subprocess.Popen(
         [
             sys.executable,

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from sbm_jax._varying import vary_like
 from sbm_jax.attention import STATS_COLLECTION, available, get_attention
-from tests.process_testing import run_and_collect
+from tests.process_testing import run_and_collect, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = "data"
@@ -207,7 +207,7 @@ def test_sbm_layer_split_over_four_devices_matches_each_example_alone(tmp_path):
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=xla_flags(4),
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     )
     (result,) = run_and_collect([[sys.executable, str(script)]], env, timeout=300)

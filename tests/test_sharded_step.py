@@ -13,7 +13,7 @@ import pytest
 
 from sbm_jax.training.config_checks import ConfigError
 from sbm_jax.training.host_data import accumulation_steps
-from tests.process_testing import run_and_collect
+from tests.process_testing import run_and_collect, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +124,7 @@ SCRIPT = textwrap.dedent(
 
 def _run_on_cpu_devices(devices: int, code: str, *args: str) -> dict:
     """Run ``code`` in a fresh Python with ``devices`` CPU devices; its RESULT line."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices))
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return run_and_collect([[sys.executable, "-c", code, *args]], env, timeout=600)[0]

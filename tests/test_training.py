@@ -35,6 +35,7 @@ from sbm_jax.training import (
     train_and_evaluate,
 )
 from sbm_jax.training.checkpoints import RunCheckpoints
+from tests.process_testing import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -260,9 +261,7 @@ def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
         print("OK")
         """
     )
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
-    )
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)],
         cwd=ROOT,
