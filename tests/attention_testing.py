@@ -63,7 +63,10 @@ def build_module(name: str, **options):
 def init(module, x, mask):
     """Variables of `module` from key(1), deterministic (plain arrays: the logical axis
     names the mechanisms declare are unboxed)."""
-    return nn.unbox(module.init(jax.random.key(1), x, mask, deterministic=True))
+    # jitted: run op by op, an init compiles each of its operations as its own program
+    return jax.jit(
+        lambda x, mask: nn.unbox(module.init(jax.random.key(1), x, mask, deterministic=True))
+    )(x, mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,7 +193,7 @@ def assert_module_ignores_padding(module) -> jax.Array:
     params = init(module, x, mask)
     noise = 100.0 * jax.random.normal(jax.random.key(7), x.shape)
     return assert_padding_invariant(
-        lambda x: module.apply(params, x, mask, deterministic=True), x, mask, noise
+        jax.jit(lambda x: module.apply(params, x, mask, deterministic=True)), x, mask, noise
     )
 
 
@@ -198,7 +201,7 @@ def module_grads_with_fully_padded_row(module, *, deterministic: bool = True, rn
     """masked_grads_are_finite of `module` on make_inputs() with example 2 fully padded
     (no real token); returns (param_grads, x_grads)."""
     x, mask = make_inputs()
-    mask = mask.at[2].set(False)  # one example without any real token
+    mask = jnp.asarray(np.asarray(mask) & (np.arange(B) != 2)[:, None])  # example 2: no token
     params = init(module, x, mask)
 
     def apply(params, x):
@@ -245,7 +248,7 @@ def assert_grads_finite_and_traced_once(
     for seed in range(2):
         xb = jax.random.normal(jax.random.key(10 + seed), x_shape)
         (gp, gx), aux = grad_fn(params, xb, jax.random.key(seed))
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(gp))
-        assert bool(jnp.all(jnp.isfinite(gx)))
+        assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(gp))
+        assert np.isfinite(np.asarray(gx)).all()
     assert len(traces) == 1  # traced once, not once per batch
     return aux

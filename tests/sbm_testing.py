@@ -72,14 +72,21 @@ def same_graphs_dense_loss(
     batch, heads = q.shape[:2]
     k_count, k_sample = jax.random.split(rng)
     keys = jax.random.split(k_sample, (batch, heads))
-    plans = jax.vmap(
-        jax.vmap(
-            lambda a, s_, c, mk: make_plan(a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law),
-            in_axes=(0, 0, 0, None),
-        ),
-        in_axes=(0, None, 0, 0),
-    )(qm, blk, km, mask)
-    counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
+
+    @jax.jit  # one program, not a hundred single operations compiled one by one
+    def plans_and_counts(qm, blk, km, mask, k_count):
+        plans = jax.vmap(
+            jax.vmap(
+                lambda a, s_, c, mk: make_plan(
+                    a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law
+                ),
+                in_axes=(0, 0, 0, None),
+            ),
+            in_axes=(0, None, 0, 0),
+        )(qm, blk, km, mask)
+        return plans, jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
+
+    plans, counts = plans_and_counts(qm, blk, km, mask, k_count)
 
     def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
         if dense:  # the streamed dense path's mask (sbm_jax.kernels.dense)

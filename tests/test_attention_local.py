@@ -31,7 +31,8 @@ def loop_band(n: int, window: int, causal: bool) -> np.ndarray:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n,window", [(1, 4), (9, 0), (9, 1), (10, 4), (13, 6), (7, 64)])
 def test_band_mask_matches_loops(n, window, causal):
-    np.testing.assert_array_equal(band_mask(n, window, causal), loop_band(n, window, causal))
+    got = jax.jit(band_mask, static_argnums=(0, 1, 2))(n, window, causal)
+    np.testing.assert_array_equal(got, loop_band(n, window, causal))
 
 
 @pytest.mark.parametrize(
@@ -62,10 +63,12 @@ def test_blocked_equals_dense_masked_attention(n, window, causal):
 def test_module_matches_reference_and_stats():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4)
-    params = {
-        "params": nn.unbox(module.init(jax.random.key(1), x, mask, deterministic=True))["params"]
-    }
-    out, stats = module.apply(params, x, mask, deterministic=True, mutable=["attention_stats"])
+    init = jax.jit(lambda k, x, m: module.init(k, x, m, deterministic=True))  # one program
+    params = {"params": nn.unbox(init(jax.random.key(1), x, mask))["params"]}
+    apply = jax.jit(
+        lambda p, x, m: module.apply(p, x, m, deterministic=True, mutable=["attention_stats"])
+    )
+    out, stats = apply(params, x, mask)
     q, k, v = dense_qkv(params, x)
     m = np.asarray(mask)
     allowed = loop_band(12, 4, False)[None] & m[:, None, :]
@@ -80,7 +83,8 @@ def test_module_matches_reference_and_stats():
 def test_padding_never_influences_real_tokens():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=6)
-    params = nn.unbox(module.init(jax.random.key(2), x, mask, deterministic=True))
+    init = jax.jit(lambda k, x, m: module.init(k, x, m, deterministic=True))  # one program
+    params = nn.unbox(init(jax.random.key(2), x, mask))
     noise = 50.0 * jax.random.normal(jax.random.key(3), x.shape)
     apply = jax.jit(lambda x: module.apply(params, x, mask, deterministic=True))
     assert_padding_invariant(apply, x, mask, noise)
@@ -89,9 +93,8 @@ def test_padding_never_influences_real_tokens():
 def test_gradients_finite_and_no_retrace():
     x, mask = module_inputs(0)
     module = LocalAttention(num_heads=2, head_dim=4, out_dim=8, window=4, attention_dropout=0.1)
-    params = {
-        "params": nn.unbox(module.init(jax.random.key(4), x, mask, deterministic=True))["params"]
-    }
+    init = jax.jit(lambda k, x, m: module.init(k, x, m, deterministic=True))  # one program
+    params = {"params": nn.unbox(init(jax.random.key(4), x, mask))["params"]}
 
     def apply(params, x, rng):
         return module.apply(params, x, mask, deterministic=False, rngs={"dropout": rng})

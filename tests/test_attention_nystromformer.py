@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,14 +38,25 @@ def make_module(**options):
     return build_module("nystromformer", **options)
 
 
+def jit_init(module, x, mask):
+    """attention_testing.init (key(1), deterministic, unboxed) as one compiled program."""
+    init = jax.jit(lambda x, m: module.init(jax.random.key(1), x, m, deterministic=True))
+    return nn.unbox(init(x, mask))
+
+
+def jit_apply(module, params, x, mask):
+    """module.apply(params, x, mask, deterministic=True) as one compiled program."""
+    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
+
+
 def test_registered_and_shapes():
     assert get_attention("nystromformer") is NystromformerAttention
     module = make_module()
     x, mask = make_inputs()
-    params = init(module, x, mask)
-    assert module.apply(params, x, mask, deterministic=True).shape == (B, N, OUT)
+    params = jit_init(module, x, mask)
+    assert jit_apply(module, params, x, mask).shape == (B, N, OUT)
     assert params["params"]["value_conv"]["kernel"].shape == (3, 1, 1, HEADS)
-    no_conv = init(make_module(conv_kernel_size=0), x, mask)
+    no_conv = jit_init(make_module(conv_kernel_size=0), x, mask)
     assert "value_conv" not in no_conv["params"]
     defaults = NystromformerAttention(num_heads=1, head_dim=1, out_dim=1)
     assert (defaults.num_landmarks, defaults.pinv_iterations, defaults.conv_kernel_size) == (
@@ -57,12 +69,13 @@ def test_registered_and_shapes():
 def test_iterative_pinv_converges_to_inverse():
     rng = np.random.default_rng(0)
     a = softmax(rng.normal(size=(2, 6, 6)))  # row-stochastic, condition numbers ~ 10-100
-    got = np.asarray(iterative_pinv(jnp.asarray(a, jnp.float32), 20))
+    pinv = jax.jit(iterative_pinv, static_argnums=1)
+    got = np.asarray(pinv(jnp.asarray(a, jnp.float32), 20))
     want = np.linalg.inv(a)
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
     # A well-conditioned matrix is inverted by the reference's 6 iterations.
     b = softmax(4.0 * np.eye(5) + 0.3 * rng.normal(size=(5, 5)))
-    got6 = np.asarray(iterative_pinv(jnp.asarray(b, jnp.float32), 6))
+    got6 = np.asarray(pinv(jnp.asarray(b, jnp.float32), 6))
     np.testing.assert_allclose(got6, np.linalg.inv(b), atol=1e-4)
 
 
@@ -73,13 +86,15 @@ def test_segment_landmarks_are_means_of_real_tokens():
     mask = np.ones((2, n), bool)
     mask[1, 3:6] = False  # second example: one empty segment
     mask[1, 9] = False  # and an empty tail segment
-    got, got_mask = segment_landmarks(jnp.asarray(x, jnp.float32), jnp.asarray(mask), m)
+    landmarks = jax.jit(segment_landmarks, static_argnums=2)
+    got, got_mask = landmarks(jnp.asarray(x, jnp.float32), jnp.asarray(mask), m)
+    got, got_mask = np.asarray(got), np.asarray(got_mask)
     for b in range(2):
         for s in range(m):
             idx = [i for i in range(3 * s, min(3 * s + 3, n)) if mask[b, i]]
             assert bool(got_mask[b, s]) == bool(idx)
             want = x[b, :, idx].mean(0) if idx else np.zeros((1, 3))
-            np.testing.assert_allclose(np.asarray(got[b, :, s]), want, atol=1e-6)
+            np.testing.assert_allclose(got[b, :, s], want, atol=1e-6)
 
 
 def test_landmarks_equal_length_is_exact_softmax_attention():
@@ -87,8 +102,8 @@ def test_landmarks_equal_length_is_exact_softmax_attention():
     # A pinv(A) A V = A V (enough pseudo-inverse iterations; no convolution).
     module = make_module(num_landmarks=N, conv_kernel_size=0, pinv_iterations=30)
     x, mask = make_inputs(scale=2.0)
-    params = init(module, x, mask)
-    y = np.asarray(module.apply(params, x, mask, deterministic=True))
+    params = jit_init(module, x, mask)
+    y = np.asarray(jit_apply(module, params, x, mask))
 
     q, k, v = dense_qkv(params, x)
     expected = dense_out(params, softmax_attention(q, k, v, mask))
@@ -96,7 +111,7 @@ def test_landmarks_equal_length_is_exact_softmax_attention():
     np.testing.assert_allclose(y[real], expected[real], rtol=1e-4, atol=2e-4)
     # More landmarks than tokens is the same computation (landmarks are capped at n).
     more = make_module(num_landmarks=4 * N, conv_kernel_size=0, pinv_iterations=30)
-    np.testing.assert_allclose(np.asarray(more.apply(params, x, mask, deterministic=True)), y)
+    np.testing.assert_allclose(np.asarray(jit_apply(more, params, x, mask)), y)
 
 
 def dense_nystrom(q, k, v, mask, num_landmarks):
@@ -125,15 +140,15 @@ def test_fewer_landmarks_match_dense_nystrom_reference():
     n = 10
     module = make_module(num_landmarks=4, conv_kernel_size=0, pinv_iterations=40)
     x, mask = make_inputs(length=n, scale=2.0)
-    params = init(module, x, mask)
-    y = np.asarray(module.apply(params, x, mask, deterministic=True))
+    params = jit_init(module, x, mask)
+    y = np.asarray(jit_apply(module, params, x, mask))
     q, k, v = dense_qkv(params, x)
     expected = dense_out(params, dense_nystrom(q, k, v, np.asarray(mask), 4))
     real = np.asarray(mask)
     np.testing.assert_allclose(y[real], expected[real], rtol=1e-4, atol=2e-4)
     # 8 landmarks over 10 tokens: segments of 2, so only 5 landmarks exist.
     eight = make_module(num_landmarks=8, conv_kernel_size=0, pinv_iterations=40)
-    y8 = np.asarray(eight.apply(params, x, mask, deterministic=True))
+    y8 = np.asarray(jit_apply(eight, params, x, mask))
     expected8 = dense_out(params, dense_nystrom(q, k, v, np.asarray(mask), 8))
     np.testing.assert_allclose(y8[real], expected8[real], rtol=1e-4, atol=2e-4)
 
@@ -143,11 +158,11 @@ def test_value_convolution_skip_matches_numpy():
     with_conv = make_module(conv_kernel_size=size)
     without = make_module(conv_kernel_size=0)
     x, mask = make_inputs()
-    params = init(with_conv, x, mask)
+    params = jit_init(with_conv, x, mask)
     inner = dict(params["params"])
     kernel = np.asarray(inner.pop("value_conv")["kernel"], np.float64)[:, 0, 0, :]  # [k, H]
-    diff = np.asarray(with_conv.apply(params, x, mask, deterministic=True)) - np.asarray(
-        without.apply({"params": inner}, x, mask, deterministic=True)
+    diff = np.asarray(jit_apply(with_conv, params, x, mask)) - np.asarray(
+        jit_apply(without, {"params": inner}, x, mask)
     )
     _, _, v = dense_qkv(params, x)
     v = v * np.asarray(mask, np.float64)[:, :, None, None]

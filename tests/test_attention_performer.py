@@ -34,18 +34,43 @@ def make_module(**options):
     return build_module("performer", **options)
 
 
+def jit_init(module, x, mask):
+    """attention_testing.init (key(1), deterministic, unboxed) as one compiled program."""
+    init = jax.jit(lambda x, m: module.init(jax.random.key(1), x, m, deterministic=True))
+    return nn.unbox(init(x, mask))
+
+
+def jit_apply(module, params, x, mask):
+    """module.apply(params, x, mask, deterministic=True) as one compiled program."""
+    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
+
+
 def kernel_attention(phi_q, phi_k, v, mask):
     """Dense normalised kernel attention: A = phi(Q) phi(K)^T with padded keys removed."""
     a = np.einsum("bihm,bjhm->bhij", phi_q, phi_k) * np.asarray(mask, np.float64)[:, None, None]
     return np.einsum("bhij,bjhd->bihd", a / a.sum(-1, keepdims=True), v)
 
 
+def features_apply(module):
+    """Jitted (params, x, mask, rngs) -> (y, features [m, d] in float64)."""
+
+    @jax.jit
+    def apply(params, x, mask, rngs=None):
+        y, state = module.apply(
+            params, x, mask, deterministic=True, rngs=rngs, mutable=["intermediates"]
+        )
+        (features,) = state["intermediates"]["features"]
+        return y, features
+
+    def run(params, x, mask, rngs=None):
+        y, features = apply(params, x, mask, rngs)
+        return y, np.asarray(features, np.float64)
+
+    return run
+
+
 def apply_with_features(module, params, x, mask, rngs=None):
-    y, state = module.apply(
-        params, x, mask, deterministic=True, rngs=rngs, mutable=["intermediates"]
-    )
-    (features,) = state["intermediates"]["features"]
-    return y, np.asarray(features, np.float64)
+    return features_apply(module)(params, x, mask, rngs)
 
 
 def test_registered_and_shapes():
@@ -53,21 +78,22 @@ def test_registered_and_shapes():
     x, mask = make_inputs()
     for kernel in ("relu", "softmax"):
         module = make_module(kernel=kernel)
-        params = init(module, x, mask)
-        assert module.apply(params, x, mask, deterministic=True).shape == (B, N, OUT)
+        params = jit_init(module, x, mask)
+        assert jit_apply(module, params, x, mask).shape == (B, N, OUT)
     assert make_module().num_features == 16
     assert PerformerAttention.num_features == 256  # the paper's setting by default
 
 
 def test_orthogonal_features_are_block_orthogonal():
     d, m = 4, 10
-    w = np.asarray(gaussian_random_features(jax.random.key(0), m, d, orthogonal=True))
+    features = jax.jit(gaussian_random_features, static_argnums=(1, 2, 3))
+    w = np.asarray(features(jax.random.key(0), m, d, True))
     assert w.shape == (m, d)
     for start in range(0, m, d):
         block = w[start : start + d]
         unit = block / np.linalg.norm(block, axis=1, keepdims=True)
         np.testing.assert_allclose(unit @ unit.T, np.eye(len(block)), atol=1e-5)
-    iid = gaussian_random_features(jax.random.key(0), m, d, orthogonal=False)
+    iid = features(jax.random.key(0), m, d, False)
     assert iid.shape == (m, d)
 
 
@@ -75,7 +101,8 @@ def test_orthogonal_features_are_block_orthogonal():
 def test_feature_rows_have_gaussian_second_moment(orthogonal):
     # Rows are marginally N(0, I_d): E|w|^2 = d, Var |w|^2 = 2d.
     d, m = 4, 4096
-    w = np.asarray(gaussian_random_features(jax.random.key(3), m, d, orthogonal=orthogonal))
+    features = jax.jit(gaussian_random_features, static_argnums=(1, 2, 3))
+    w = np.asarray(features(jax.random.key(3), m, d, orthogonal))
     sq = (w**2).sum(1)
     assert abs(sq.mean() - d) < 5 * np.sqrt(2 * d / m)
     np.testing.assert_allclose(w.mean(0), 0.0, atol=5 / np.sqrt(m))
@@ -85,7 +112,7 @@ def test_relu_kernel_matches_explicit_formula():
     eps = 1e-4
     module = make_module(kernel="relu", kernel_epsilon=eps)
     x, mask = make_inputs()
-    params = init(module, x, mask)
+    params = jit_init(module, x, mask)
     y, w = apply_with_features(module, params, x, mask)
 
     q, k, v = dense_qkv(params, x)
@@ -100,7 +127,7 @@ def test_softmax_kernel_matches_explicit_formula():
     # eps = 0: the stabilising shifts must cancel exactly against the unshifted formula.
     module = make_module(kernel="softmax", kernel_epsilon=0.0)
     x, mask = make_inputs()
-    params = init(module, x, mask)
+    params = jit_init(module, x, mask)
     y, w = apply_with_features(module, params, x, mask)
 
     q, k, v = dense_qkv(params, x)
@@ -120,15 +147,14 @@ def test_softmax_kernel_approximates_softmax_attention():
     errors = {}
     for m in (16, 8192):
         module = make_module(kernel="softmax", kernel_epsilon=0.0, num_features=m)
-        params = init(module, x, mask)
+        params = jit_init(module, x, mask)
         q, k, v = dense_qkv(params, x)
         exact = softmax_attention(q, k, v, mask)
         real = np.asarray(mask)
         err = []
+        apply = features_apply(module)  # compiled once for the four seeds
         for seed in range(4):
-            y, w = apply_with_features(
-                module, params, x, mask, rngs={"sample": jax.random.key(100 + seed)}
-            )
+            y, w = apply(params, x, mask, {"sample": jax.random.key(100 + seed)})
             s = HEAD_DIM**-0.25
 
             def phi(t, w=w, s=s):
@@ -151,16 +177,21 @@ def test_softmax_kernel_approximates_softmax_attention():
 def test_redraw_uses_sample_stream_else_fixed_features():
     x, mask = make_inputs()
     module = make_module(redraw=True)
-    params = init(module, x, mask)
+    params = jit_init(module, x, mask)
+    fixed_module = make_module(redraw=False)
+    # One compiled program per module (and per rngs structure), reused across keys.
+    jitted = {
+        m: jax.jit(lambda rngs, m=m: m.apply(params, x, mask, deterministic=True, rngs=rngs))
+        for m in (module, fixed_module)
+    }
 
     def run(module, rngs=None):
-        return np.asarray(module.apply(params, x, mask, deterministic=True, rngs=rngs))
+        return np.asarray(jitted[module](rngs))
 
     a = run(module, {"sample": jax.random.key(5)})
     b = run(module, {"sample": jax.random.key(6)})
     a_again = run(module, {"sample": jax.random.key(5)})
     fixed = run(module)
-    fixed_module = make_module(redraw=False)
     np.testing.assert_array_equal(a, a_again)
     assert np.abs(a - b).max() > 1e-4
     np.testing.assert_array_equal(fixed, run(fixed_module))
@@ -178,8 +209,8 @@ def test_fixed_features_differ_between_layers():
 
     x, mask = make_inputs()
     model = TwoLayers()
-    params = nn.unbox(model.init(jax.random.key(1), x, mask))
-    _, state = model.apply(params, x, mask, mutable=["intermediates"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(1), x, mask))
+    _, state = jax.jit(lambda p: model.apply(p, x, mask, mutable=["intermediates"]))(params)
     (wa,) = state["intermediates"]["a"]["features"]
     (wb,) = state["intermediates"]["b"]["features"]
     assert np.abs(np.asarray(wa) - np.asarray(wb)).max() > 1e-3

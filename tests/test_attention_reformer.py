@@ -90,10 +90,15 @@ def loop_lsh_reference(qk, v, mask, buckets, num_buckets, chunk_len):
     return out
 
 
+def init_params(module, key, x, mask):
+    """Unboxed deterministic variables of `module`: one compiled program, not op by op."""
+    return nn.unbox(jax.jit(lambda k, x, m: module.init(k, x, m, deterministic=True))(key, x, mask))
+
+
 def test_lsh_buckets_match_argmax_of_rotations():
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
     rot = jax.random.normal(jax.random.key(1), (2, 3, 4, 3))  # 6 buckets
-    got = np.asarray(lsh_buckets(x, rot))
+    got = np.asarray(jax.jit(lsh_buckets)(x, rot))
     xn, rn = np.asarray(x), np.asarray(rot)
     for b in range(2):
         for r in range(2):
@@ -111,8 +116,8 @@ def test_one_bucket_equals_full_attention_without_self(causal):
     module = ReformerAttention(
         num_heads=2, head_dim=4, out_dim=8, num_hashes=1, num_buckets=1, chunk_len=16, causal=causal
     )
-    params = nn.unbox(module.init(jax.random.key(3), x, mask, deterministic=True))
-    out = module.apply(params, x, mask, deterministic=True)
+    params = init_params(module, jax.random.key(3), x, mask)
+    out = jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
     qk, v = dense_qkv(params, x, names=("query_key", "value"))
     ref = dense_out(params, dense_shared_qk_reference(qk, v, mask, causal))
     m = np.asarray(mask)
@@ -139,7 +144,7 @@ def test_chunked_multi_round_matches_loop_reference(n, chunk_len, num_buckets):
 def test_padding_never_influences_real_tokens():
     x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
-    params = nn.unbox(module.init(jax.random.key(5), x, mask, deterministic=True))
+    params = init_params(module, jax.random.key(5), x, mask)
     noise = 50.0 * jax.random.normal(jax.random.key(6), x.shape)
     apply = jax.jit(
         lambda x: module.apply(
@@ -152,7 +157,7 @@ def test_padding_never_influences_real_tokens():
 def test_hash_rng_sample_stream_and_fixed_key():
     x, mask = module_inputs(4)
     module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
-    params = nn.unbox(module.init(jax.random.key(8), x, mask, deterministic=True))
+    params = init_params(module, jax.random.key(8), x, mask)
 
     @jax.jit
     def apply(rng):
@@ -169,9 +174,7 @@ def test_gradients_finite_and_no_retrace():
     module = ReformerAttention(
         num_heads=2, head_dim=4, out_dim=8, chunk_len=4, attention_dropout=0.1
     )
-    params = {
-        "params": nn.unbox(module.init(jax.random.key(9), x, mask, deterministic=True))["params"]
-    }
+    params = {"params": init_params(module, jax.random.key(9), x, mask)["params"]}
 
     def apply(params, x, rng):
         r1, r2 = jax.random.split(rng)

@@ -40,6 +40,10 @@ def _f32(*arrays):
     return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
 
 
+# One program per call (shared by the tests below), not op-by-op compiles.
+_streamed_mask = jax.jit(streamed_mask, static_argnames=("law", "forced_half", "block_rows"))
+
+
 # ----------------------------------------------------------------------------- the law
 @pytest.mark.parametrize("law", ["bernoulli", "poisson"])
 def test_mask_has_the_law_and_never_touches_padding(law):
@@ -81,15 +85,17 @@ def test_mask_has_the_law_and_never_touches_padding(law):
     # draws would, p^2 + (1 - p)^2, not always.
     same = np.tile(ys[:4], (N // 4 + 1, 1))[:N] * Q_MASK[:, None]
     masks = np.asarray(
-        jax.vmap(
-            lambda kk: streamed_mask(
-                kk,
-                *_f32(same, zk),
-                jnp.asarray(Q_MASK),
-                jnp.asarray(K_MASK),
-                delta,
-                law=law,
-                block_rows=4,
+        jax.jit(
+            jax.vmap(
+                lambda kk: streamed_mask(
+                    kk,
+                    *_f32(same, zk),
+                    jnp.asarray(Q_MASK),
+                    jnp.asarray(K_MASK),
+                    delta,
+                    law=law,
+                    block_rows=4,
+                )
             )
         )(keys[:500])
     )
@@ -104,7 +110,7 @@ def test_forced_edges_are_always_present_on_real_pairs():
     _, _, _, _, ys, zk = _inputs(2)
     for half, want_fn in ((0, lambda i, j: i == j), (2, lambda i, j: abs(i - j) <= 2)):
         mask = np.asarray(
-            streamed_mask(
+            _streamed_mask(
                 jax.random.PRNGKey(5),
                 *_f32(ys * 0.0, zk),
                 jnp.asarray(Q_MASK),
@@ -188,19 +194,16 @@ def test_outputs_and_gradients_match_numpy_on_the_same_mask(ste, block_rows, hal
 
     args = _f32(q, k, v, ys, zk)
     (val, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))(*args)
-    mask = np.asarray(
-        streamed_mask(key, *_f32(ys, zk), *masks, 0.0, forced_half=half, block_rows=block_rows)
-    )
+    mask = _streamed_mask(key, *_f32(ys, zk), *masks, 0.0, forced_half=half, block_rows=block_rows)
+    mask = np.asarray(mask)
     keep = None
     if rate:  # the documented dropout draw: block b's keep mask from fold_in(drop_key, b)
         bq = block_rows or default_block_rows(N, M)
         nb = -(-N // bq)
-        keep = np.concatenate(
-            [
-                np.asarray(jax.random.bernoulli(jax.random.fold_in(drop_key, b), 1 - rate, (bq, M)))
-                for b in range(nb)
-            ]
-        )[:N]
+        keep_b = jax.jit(
+            lambda b: jax.random.bernoulli(jax.random.fold_in(drop_key, b), 1 - rate, (bq, M))
+        )
+        keep = np.concatenate([np.asarray(keep_b(b)) for b in range(nb)])[:N]
     ref_out, ref_loss, ref_grads = _numpy_reference(q, k, v, g, ys, zk, mask, c, ste, keep, rate)
     empty = ~mask.any(1)
     assert empty[[3, 11]].all() if half is None else empty[~Q_MASK].all()
@@ -232,8 +235,8 @@ def test_a_rows_density_drive_is_its_score_temperature_gradient_or_zero(ste):
         out, _ = streamed_sbm_attention(key, q, k, v, ys, zk, *masks, 0.0, ste=ste)
         return jnp.sum(out * g)
 
-    drive = np.sum(np.asarray(jax.grad(loss_in_ys)(ys)) * np.asarray(ys), axis=1)
-    mask = jnp.asarray(streamed_mask(key, ys, zk, *masks, 0.0))
+    drive = np.sum(np.asarray(jax.jit(jax.grad(loss_in_ys))(ys)) * np.asarray(ys), axis=1)
+    mask = jnp.asarray(_streamed_mask(key, ys, zk, *masks, 0.0))
 
     def loss_in_beta(beta):  # masked softmax with row i's scores times beta_i
         s = beta[:, None] * (q @ k.T) / np.sqrt(D)
@@ -241,7 +244,7 @@ def test_a_rows_density_drive_is_its_score_temperature_gradient_or_zero(ste):
         a = jnp.where(mask.any(1, keepdims=True), a, 0.0)
         return jnp.sum((a @ v) * g)
 
-    d_beta = np.asarray(jax.grad(loss_in_beta)(jnp.ones(N)))
+    d_beta = np.asarray(jax.jit(jax.grad(loss_in_beta))(jnp.ones(N)))
     p_row = np.asarray(ys @ zk[0])
     want = p_row * d_beta if ste == "paper" else np.zeros(N)
     assert np.abs(d_beta[np.asarray(mask).sum(1) > 1]).min() > 1e-4, "the case has a signal"
@@ -265,9 +268,10 @@ def test_under_vmap_every_graph_keeps_its_own_gradient():
     def total(*args):
         return jnp.sum(jax.vmap(one)(keys, *args, gs))
 
-    grads = jax.grad(total, argnums=range(5))(*batch)
+    grads = jax.jit(jax.grad(total, argnums=range(5)))(*batch)
+    single_grad = jax.jit(jax.grad(one, argnums=range(1, 6)))
     for i in range(2):
-        single = jax.grad(one, argnums=range(1, 6))(keys[i], *(a[i] for a in batch), gs[i])
+        single = single_grad(keys[i], *(a[i] for a in batch), gs[i])
         for a, b in zip(grads, single, strict=True):
             np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)
 

@@ -17,7 +17,7 @@ def _edges_from_mask(mask: np.ndarray, capacity: int) -> EdgeList:
         rows=jnp.asarray(np.concatenate([rows, np.full(pad, N - 1)]), jnp.int32),
         cols=jnp.asarray(np.concatenate([cols, np.arange(pad) % M]), jnp.int32),
         valid=jnp.asarray(np.arange(capacity) < e),
-        probs=jnp.zeros((capacity,), jnp.float32),
+        probs=jnp.asarray(np.zeros(capacity, np.float32)),
     )
 
 
@@ -52,8 +52,12 @@ def test_forward_matches_dense_and_naive():
     mask, q, k, v, p = _setup()
     edges = _edges_from_mask(mask, capacity=N * M)
     scale = jnp.asarray(np.asarray(p)[np.asarray(edges.rows), np.asarray(edges.cols)])
-    out_e = edge_attention(q, k, v, edges, edge_scale=scale)
-    out_d = dense_masked_attention(q, k, v, jnp.asarray(mask), scale=p)
+    out_e, out_d = jax.jit(  # one program, not op-by-op compiles
+        lambda q, k, v, edges, scale, mask, p: (
+            edge_attention(q, k, v, edges, edge_scale=scale),
+            dense_masked_attention(q, k, v, mask, scale=p),
+        )
+    )(q, k, v, edges, scale, jnp.asarray(mask), p)
     ref = _naive(q, k, v, mask, p)
     np.testing.assert_allclose(out_e, ref, atol=1e-5)
     np.testing.assert_allclose(out_d, ref, atol=1e-5)
@@ -72,8 +76,8 @@ def test_gradients_match_dense():
     def loss_dense(q, k, v, p):
         return jnp.sum(w * dense_masked_attention(q, k, v, jnp.asarray(mask), scale=p))
 
-    ge = jax.grad(loss_edges, argnums=(0, 1, 2, 3))(q, k, v, p)
-    gd = jax.grad(loss_dense, argnums=(0, 1, 2, 3))(q, k, v, p)
+    ge = jax.jit(jax.grad(loss_edges, argnums=(0, 1, 2, 3)))(q, k, v, p)
+    gd = jax.jit(jax.grad(loss_dense, argnums=(0, 1, 2, 3)))(q, k, v, p)
     for a, b in zip(ge, gd, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert np.all(np.asarray(ge[3])[~mask] == 0.0), "unsampled pairs get no gradient"
@@ -84,15 +88,18 @@ def test_invalid_slots_contribute_nothing():
     edges = _edges_from_mask(mask, capacity=N * M + 8)
     # Scribble over empty slots' columns: nothing may change, and their scale gets 0 grad.
     nv = int(mask.sum())
-    cols2 = edges.cols.at[nv:].set((edges.cols[nv:] * 3 + 1) % M)
+    cols = np.asarray(edges.cols)
+    cols2 = jnp.asarray(np.concatenate([cols[:nv], (cols[nv:] * 3 + 1) % M]))
     edges2 = edges.replace(cols=cols2)
-    scale = jnp.linspace(0.5, 1.5, edges.capacity)
+    scale = jnp.asarray(np.linspace(0.5, 1.5, edges.capacity, dtype=np.float32))
 
     def f(scale, e):
         return jnp.sum(edge_attention(q, k, v, e, edge_scale=scale) ** 2)
 
-    np.testing.assert_array_equal(f(scale, edges), f(scale, edges2))
-    g = jax.grad(f)(scale, edges2)
+    # One jitted f for both edge lists (same shapes: one compile), one for the gradient.
+    f_jit = jax.jit(f)
+    np.testing.assert_array_equal(f_jit(scale, edges), f_jit(scale, edges2))
+    g = jax.jit(jax.grad(f))(scale, edges2)
     assert np.all(np.asarray(g)[nv:] == 0.0)
 
 
@@ -105,6 +112,7 @@ def test_ste_gradient_is_eq9():
     r, c = np.asarray(edges.rows), np.asarray(edges.cols)
     w = jax.random.normal(jax.random.PRNGKey(4), (N, DV))
 
+    @jax.jit  # one program, not op-by-op compiles
     def loss_ste(p):
         scale = straight_through(p[r, c])
         return jnp.sum(w * edge_attention(q, k, v, edges, edge_scale=scale))
@@ -112,14 +120,14 @@ def test_ste_gradient_is_eq9():
     def loss_cont(mvals):
         return jnp.sum(w * dense_masked_attention(q, k, v, jnp.asarray(mask), scale=mvals))
 
-    g_ste = jax.grad(loss_ste)(p)
-    g_ref = jax.grad(loss_cont)(jnp.ones((N, M))) * mask
+    g_ste = jax.jit(jax.grad(loss_ste))(p)
+    g_ref = np.asarray(jax.jit(jax.grad(loss_cont))(jnp.ones((N, M)))) * mask
     np.testing.assert_allclose(g_ste, g_ref, atol=1e-5)
     # Forward value is the binary-mask attention, untouched by p.
-    np.testing.assert_allclose(loss_ste(p), loss_ste(p * 0.1), rtol=1e-6)
+    np.testing.assert_allclose(loss_ste(p), loss_ste(np.asarray(p) * 0.1), rtol=1e-6)
 
     # And the hand-written form: dL/dA_ij * s_ij with s = q k^T / sqrt(d).
-    s = np.asarray(q @ k.T) / np.sqrt(D)
+    s = np.asarray(jax.jit(lambda q, k: q @ k.T)(q, k)) / np.sqrt(D)
 
     def loss_a(a):
         masked = jnp.where(jnp.asarray(mask), a, -jnp.inf)
@@ -127,7 +135,7 @@ def test_ste_gradient_is_eq9():
         att = jnp.nan_to_num(att)
         return jnp.sum(w * (att @ v))
 
-    d_a = jax.grad(loss_a)(jnp.asarray(s * mask))
+    d_a = jax.jit(jax.grad(loss_a))(jnp.asarray(s * mask))
     np.testing.assert_allclose(g_ste, np.asarray(d_a) * s * mask, atol=1e-5)
 
 
@@ -147,11 +155,11 @@ def test_straight_through_keeps_each_mapped_gradient_its_own():
     def loss(p):
         return jnp.sum(jax.vmap(lambda a, b: straight_through(a) * b)(p, w))
 
-    np.testing.assert_array_equal(jax.grad(loss)(p), w)
+    np.testing.assert_array_equal(jax.jit(jax.grad(loss))(p), w)
     nested = jax.vmap(jax.vmap(lambda a, b: straight_through(a) * b))
-    g = jax.grad(lambda p: jnp.sum(nested(p[None], w[None])))(p)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(nested(p[None], w[None]))))(p)
     np.testing.assert_array_equal(g, w)
-    np.testing.assert_array_equal(jax.vmap(straight_through)(p), jnp.ones_like(p))
+    np.testing.assert_array_equal(jax.jit(jax.vmap(straight_through))(p), np.ones(p.shape))
 
 
 def test_edge_attention_under_vmap_and_jit():

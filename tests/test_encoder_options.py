@@ -38,7 +38,8 @@ def _inputs(batch: int = 2, length: int = 10):
 
 def _init(model: Encoder, tokens, mask):
     rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
-    return nn.unbox(model.init(rngs, tokens, mask, deterministic=True))["params"]
+    init = jax.jit(lambda r, t, m: model.init(r, t, m, deterministic=True))  # one program
+    return nn.unbox(init(rngs, tokens, mask))["params"]
 
 
 @pytest.mark.parametrize(
@@ -141,9 +142,10 @@ def test_scaled_init_scales_the_tt_output_matrix_of_tsa():
     common = dict(SMALL, num_layers=2, attention="tsa", attention_options={})
     base = _init(Encoder(**common), tokens, mask)
     scaled = _init(Encoder(**common, scaled_residual_init=True), tokens, mask)
+    dense = jax.jit(lambda p: tt_to_dense(tt_cores_of(p)))
     for layer in ("block_0", "block_1"):
-        w_base = tt_to_dense(tt_cores_of(base[layer]["attention"]["out"]))
-        w_scaled = tt_to_dense(tt_cores_of(scaled[layer]["attention"]["out"]))
+        w_base = dense(base[layer]["attention"]["out"])
+        w_scaled = dense(scaled[layer]["attention"]["out"])
         np.testing.assert_allclose(w_scaled, 0.5 * w_base, rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(
             scaled[layer]["attention"]["key"]["core_0"], base[layer]["attention"]["key"]["core_0"]
@@ -227,13 +229,19 @@ def test_tied_init_makes_the_step_zero_scores_a_gram_matrix():
     encoder = Encoder(**SMALL, num_layers=1, query_key_init="tied")
     params = _init(encoder, tokens, mask)
     attn = params["block_0"]["attention"]
-    x = jax.random.normal(jax.random.key(3), (6, SMALL["emb_dim"]))
-    q = jnp.einsum("ld,dhk->lhk", x, attn["query"]["kernel"]) + attn["query"]["bias"]
-    k = jnp.einsum("ld,dhk->lhk", x, attn["key"]["kernel"]) + attn["key"]["bias"]
-    scores = jnp.einsum("lhk,mhk->hlm", q, k)
-    gram = jnp.einsum("lhk,mhk->hlm", q, q)
+
+    @jax.jit  # one program, not op-by-op compiles
+    def scores_gram_min_eig(attn):
+        x = jax.random.normal(jax.random.key(3), (6, SMALL["emb_dim"]))
+        q = jnp.einsum("ld,dhk->lhk", x, attn["query"]["kernel"]) + attn["query"]["bias"]
+        k = jnp.einsum("ld,dhk->lhk", x, attn["key"]["kernel"]) + attn["key"]["bias"]
+        scores = jnp.einsum("lhk,mhk->hlm", q, k)
+        gram = jnp.einsum("lhk,mhk->hlm", q, q)
+        return scores, gram, jnp.min(jnp.linalg.eigvalsh(scores))
+
+    scores, gram, min_eig = scores_gram_min_eig(attn)
     np.testing.assert_allclose(scores, gram, rtol=1e-6, atol=1e-6)
-    assert float(jnp.min(jnp.linalg.eigvalsh(scores))) > -1e-5
+    assert float(min_eig) > -1e-5
 
 
 def test_tied_init_refuses_a_mechanism_without_separate_projections():
@@ -256,7 +264,7 @@ def test_position_embedding_choices_and_final_norm():
 
 
 def test_sinusoidal_table_matches_the_closed_form():
-    table = np.asarray(sinusoidal_positions(7, 6))
+    table = np.asarray(jax.jit(sinusoidal_positions, static_argnums=(0, 1))(7, 6))
     for pos in range(7):
         for i in range(3):
             angle = pos / 10000.0 ** (2 * i / 6)

@@ -24,6 +24,9 @@ K_MASK = np.arange(M) < 16
 DELTA = 0.05
 TRIALS = 3000
 
+# One program per call, not op-by-op compiles of every operation run eagerly.
+_make_plan = jax.jit(make_plan, static_argnames="law")
+
 
 def _sbm(scale: float, seed: int = 0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -94,7 +97,7 @@ def poisson_sparse():
 
 def test_bernoulli_law_sparse_regime(bernoulli_sparse):
     edges, p = bernoulli_sparse
-    plan = make_plan(*_sbm(0.8), delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    plan = _make_plan(*_sbm(0.8), delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     assert float(plan.bound) <= BERNOULLI_MAX_BOUND  # this case exercises oversample + thin
     assert float(plan.bound) >= p.max() + DELTA - 1e-6  # and the bound is a bound
     assert not np.asarray(edges.overflow).any()
@@ -132,9 +135,11 @@ def test_dense_mask_same_law():
         ("bernoulli", np.minimum(1.0, np.asarray(p) + DELTA)),
         ("poisson", 1.0 - np.exp(-(np.asarray(p) + DELTA))),
     ):
-        masks = jax.vmap(
-            lambda key, law=law: sample_dense_mask(
-                key, p, DELTA, jnp.asarray(Q_MASK), jnp.asarray(K_MASK), law
+        masks = jax.jit(
+            jax.vmap(
+                lambda key, law=law: sample_dense_mask(
+                    key, p, DELTA, jnp.asarray(Q_MASK), jnp.asarray(K_MASK), law
+                )
             )
         )(keys)
         _assert_law(np.asarray(masks).mean(0), target, TRIALS)
@@ -145,9 +150,10 @@ def test_layout_contract_and_probs(bernoulli_sparse):
     rows, cols, valid, probs = (
         np.asarray(a) for a in (edges.rows, edges.cols, edges.valid, edges.probs)
     )
+    num_edges = np.asarray(edges.num_edges)
     for t in range(50):
         nv = int(valid[t].sum())
-        assert nv == int(edges.num_edges[t])
+        assert nv == int(num_edges[t])
         assert valid[t][:nv].all() and not valid[t][nv:].any(), "valid edges must come first"
         keys = rows[t][:nv] * M + cols[t][:nv]
         assert np.all(np.diff(keys) > 0), "valid edges sorted by (row, col), no duplicates"
@@ -159,7 +165,8 @@ def test_layout_contract_and_probs(bernoulli_sparse):
 
 def test_overflow_is_flagged():
     q, s, k = _sbm(0.8)
-    edges = sample_sbm_graph(jax.random.PRNGKey(0), q, s, k, capacity=5, delta=DELTA, law="poisson")
+    sample = jax.jit(functools.partial(sample_sbm_graph, capacity=5, delta=DELTA, law="poisson"))
+    edges = sample(jax.random.PRNGKey(0), q, s, k)
     assert int(edges.num_draws) > 5
     assert bool(edges.overflow)
     assert int(edges.num_edges) <= 5
@@ -167,7 +174,7 @@ def test_overflow_is_flagged():
 
 def test_num_draws_is_poisson_mean():
     q, s, k = _sbm(0.8)
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
     p = _dense_p(q, s, k)
     real = Q_MASK[:, None] & K_MASK[None, :]
     np.testing.assert_allclose(float(plan.expected_edges), (p + DELTA * real).sum(), rtol=1e-4)
@@ -175,7 +182,8 @@ def test_num_draws_is_poisson_mean():
 
 def test_zero_memberships_give_no_edges():
     q, s, k = _sbm(0.8)
-    edges = sample_sbm_graph(jax.random.PRNGKey(0), jnp.zeros_like(q), s, k, capacity=64, delta=0.0)
+    sample = jax.jit(functools.partial(sample_sbm_graph, capacity=64, delta=0.0))
+    edges = sample(jax.random.PRNGKey(0), jnp.zeros_like(q), s, k)
     assert int(edges.num_edges) == 0 and not bool(edges.overflow)
 
 
@@ -210,7 +218,7 @@ def test_bernoulli_rows_are_oversampled_by_their_own_bound(peaked):
         # bound, elsewhere Cauchy-Schwarz is (both must be exercised).
         q = q.at[: N // 2].set(jax.nn.one_hot(jnp.arange(N // 2) % K, K))
         s = jnp.eye(K) * 0.2
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     p = _dense_p(q, s, k)
     real = Q_MASK[:, None] & K_MASK[None, :]
     row_max = np.where(real, p + DELTA, 0).max(1)
@@ -260,7 +268,7 @@ def test_edge_probs_straight_through_gradient_is_two_spmms():
         s = jax.vmap(edge_probs_straight_through)(ys, z, rows, cols, valid)
         return jnp.sum(s * w), s
 
-    (_, s), (dys, dz) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(ys, z)
+    (_, s), (dys, dz) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(ys, z)
     np.testing.assert_array_equal(s, valid.astype(np.float32))  # the estimator is 1 on edges
     for h in range(ys.shape[0]):
         g = np.zeros((ys.shape[1], z.shape[1]))
@@ -286,11 +294,11 @@ def test_edge_probs_straight_through_matches_autodiff_of_edge_probs():
     def fast(ys, z):
         return jnp.sum(fr.edge_probs_straight_through(ys, z, rows, cols, valid) * w)
 
-    want = jax.grad(autodiff, argnums=(0, 1))(ys, z)
+    want = jax.jit(jax.grad(autodiff, argnums=(0, 1)))(ys, z)
     old = fr.STE_CHUNK
     try:
-        fr.STE_CHUNK = 64  # 5 chunks, the last one padded
-        got = jax.grad(fast, argnums=(0, 1))(ys, z)
+        fr.STE_CHUNK = 64  # 5 chunks, the last one padded (read when jit traces, here)
+        got = jax.jit(jax.grad(fast, argnums=(0, 1)))(ys, z)
     finally:
         fr.STE_CHUNK = old
     for a, b in zip(got, want, strict=True):
@@ -301,14 +309,15 @@ def test_sample_edge_keys_are_the_sampler_layout():
     from sbm_jax.fastrg import edges_from_keys, sample_edge_keys, sample_from_plan
 
     q, s, k = _sbm(0.8)
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     key, count = jax.random.PRNGKey(4), jnp.asarray(60, jnp.int32)
-    keys = sample_edge_keys(key, plan, count, capacity=80, law="bernoulli")
-    edges = sample_from_plan(key, plan, count, capacity=80, law="bernoulli")
+    static = dict(capacity=80, law="bernoulli")
+    keys = jax.jit(functools.partial(sample_edge_keys, **static))(key, plan, count)
+    edges = jax.jit(functools.partial(sample_from_plan, **static))(key, plan, count)
     kk = np.asarray(keys)
     nv = int(edges.num_edges)
     assert np.all(np.diff(kk[:nv]) > 0) and np.all(kk[nv:] == N * M)
-    light = edges_from_keys(keys, N, M)
+    light = jax.jit(edges_from_keys, static_argnums=(1, 2))(keys, N, M)
     for name in ("rows", "cols", "valid", "num_edges"):
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
 
@@ -377,14 +386,19 @@ def test_guided_search_is_the_plain_inverse_cdf(span, window):
     from sbm_jax.fastrg import _below, _guide_table, _search_guided
 
     cdf = jnp.asarray(_cdf_cases())
-    table = _guide_table(cdf) if span is None else _guide_table(cdf, span)
+
+    @jax.jit  # one program, not op-by-op compiles
+    def setup(cdf):
+        table = _guide_table(cdf) if span is None else _guide_table(cdf, span)
+        rows = jnp.repeat(jnp.arange(cdf.shape[0]), 4000)
+        u = jax.random.uniform(jax.random.PRNGKey(0), rows.shape)
+        # Also the cut points themselves and the largest target below each total.
+        edges = jnp.concatenate([jnp.linspace(0, 1, 101)] * cdf.shape[0])
+        rows = jnp.concatenate([rows, jnp.repeat(jnp.arange(cdf.shape[0]), 101)])
+        return table, rows, _below(cdf[rows, -1], jnp.concatenate([u, edges]))
+
+    table, rows, targets = setup(cdf)
     assert table.shape == (cdf.shape[0], cdf.shape[1] // (span or GUIDE_SPAN) + 1)
-    rows = jnp.repeat(jnp.arange(cdf.shape[0]), 4000)
-    u = jax.random.uniform(jax.random.PRNGKey(0), rows.shape)
-    # Also the cut points themselves and the largest target below each total.
-    edges = jnp.concatenate([jnp.linspace(0, 1, 101)] * cdf.shape[0])
-    rows = jnp.concatenate([rows, jnp.repeat(jnp.arange(cdf.shape[0]), 101)])
-    targets = _below(cdf[rows, -1], jnp.concatenate([u, edges]))
     search = jax.jit(functools.partial(_search_guided, window=window))
     got = np.asarray(search(cdf, table, rows, targets))
     # Reference: numpy's searchsorted on each row (first j with cdf[j] > target).
@@ -401,8 +415,9 @@ def test_slot_rows_repeat_each_row_by_its_count():
 
     counts = np.array([0, 3, 0, 0, 2, 5, 0, 1], np.int32)
     n = counts.size
+    slot_rows = jax.jit(_slot_rows, static_argnums=1)
     for capacity in (20, 11, 6):  # room to spare, exactly full, too small
-        got = np.asarray(_slot_rows(jnp.asarray(counts), capacity))
+        got = np.asarray(slot_rows(jnp.asarray(counts), capacity))
         want = np.r_[np.repeat(np.arange(n), counts), np.full(capacity, n)][:capacity]
         np.testing.assert_array_equal(got, want)
 
@@ -411,16 +426,16 @@ def test_split_count_is_multinomial_over_row_rates():
     from sbm_jax.fastrg import draw_row_counts, split_count
 
     q, s, k = _sbm(0.8)
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     keys = jax.random.split(jax.random.PRNGKey(1), 2000)
-    split = np.asarray(jax.vmap(lambda kk: split_count(kk, plan, 60))(keys))
+    split = np.asarray(jax.jit(jax.vmap(lambda kk: split_count(kk, plan, 60)))(keys))
     assert np.all(split.sum(1) == 60) and np.all(split[:, ~Q_MASK] == 0)
     rate = np.asarray(plan.row_rate, np.float64)
     share = rate / rate.sum()
     # Multinomial means and standard errors per row.
     se = np.sqrt(60 * share * (1 - share) / len(keys))
     assert np.all(np.abs(split.mean(0) - 60 * share) < 6 * se + 1e-9)
-    per_row = np.asarray(jax.vmap(lambda kk: draw_row_counts(kk, plan))(keys))
+    per_row = np.asarray(jax.jit(jax.vmap(lambda kk: draw_row_counts(kk, plan)))(keys))
     # Independent Poisson counts: mean and variance both equal the row rate.
     np.testing.assert_allclose(per_row.mean(0), rate, atol=6 * np.sqrt(rate.max() / len(keys)))
     np.testing.assert_allclose(float(rate.sum()), float(plan.expected_draws), rtol=1e-5)
@@ -432,7 +447,7 @@ def test_thinning_matches_the_keep_probability_on_every_path(budget):
     from sbm_jax.fastrg import _thin
 
     q, s, k = _sbm(0.8)
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
     rng = np.random.default_rng(5)
     real = np.flatnonzero((Q_MASK[:, None] & K_MASK[None, :]).reshape(-1)).astype(np.int32)
     keys = np.r_[real, np.full(64, N * M, np.int32)]  # every real pair, then empty slots
@@ -460,9 +475,11 @@ def test_counts_on_rows_without_weight_give_no_edges():
     from sbm_jax.fastrg import sample_edge_keys
 
     q, s, k = _sbm(0.8)
-    plan = make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
-    counts = jnp.zeros((N,), jnp.int32).at[N - 1].set(5).at[0].set(3)  # row N-1 is masked
-    keys = np.asarray(sample_edge_keys(jax.random.PRNGKey(0), plan, counts, capacity=10))
+    plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="poisson")
+    counts = np.zeros((N,), np.int32)
+    counts[N - 1], counts[0] = 5, 3  # row N-1 is masked
+    sample = jax.jit(functools.partial(sample_edge_keys, capacity=10))
+    keys = np.asarray(sample(jax.random.PRNGKey(0), plan, jnp.asarray(counts)))
     rows = keys[keys != N * M] // M
     assert rows.size > 0 and np.all(rows == 0)
 
@@ -488,10 +505,12 @@ def test_edge_probs_straight_through_with_one_edge_list_shared_across_a_mapped_a
         p = jnp.einsum("grk,grk->gr", ys[:, rows], z[:, cols, :2])
         return jnp.sum(jnp.where(valid, p, 0.0) * w)
 
-    got = jax.grad(loss, argnums=(0, 1))(ys, z)
-    want = jax.grad(reference, argnums=(0, 1))(ys, z)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(ys, z)
+    want = jax.jit(jax.grad(reference, argnums=(0, 1)))(ys, z)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert np.all(np.asarray(got[1])[..., 2] == 0.0), "the exploration column gets none"
-    fwd = jax.vmap(lambda a, b: edge_probs_straight_through(a, b, rows, cols, valid))(ys, z)
+    fwd = jax.jit(jax.vmap(lambda a, b: edge_probs_straight_through(a, b, rows, cols, valid)))(
+        ys, z
+    )
     np.testing.assert_array_equal(fwd, jnp.broadcast_to(valid.astype(jnp.float32), (4, 5)))

@@ -1,5 +1,7 @@
 """Fast edge kernels against the segment reference, the dense reference and numpy loops."""
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ def _edges(mask: np.ndarray, extra_slots: int) -> EdgeList:
         ),
         cols=jnp.asarray(np.concatenate([cols, np.arange(extra_slots) % mask.shape[1]]), jnp.int32),
         valid=jnp.asarray(np.arange(cap) < e),
-        probs=jnp.zeros((cap,), jnp.float32),
+        probs=jnp.asarray(np.zeros(cap, np.float32)),
     )
 
 
@@ -70,10 +72,15 @@ def test_forward_matches_naive_and_dense(r, bs):
     mask = _mask(0, 0.3)
     edges = _edges(mask, extra_slots=11)
     q, k, v, scale, _ = _inputs(0, edges.capacity)
-    out = rows_edge_attention(q, k, v, edges, edge_scale=scale, slots_per_row=r, block_slots=bs)
+    rows = partial(rows_edge_attention, slots_per_row=r, block_slots=bs)
+
+    @jax.jit  # one program, not op-by-op compiles
+    def run(q, k, v, edges, scale, mask):
+        out = rows(q, k, v, edges, edge_scale=scale)
+        return out, dense_masked_attention(q, k, v, mask), rows(q, k, v, edges)
+
+    out, dense, plain = run(q, k, v, edges, scale, jnp.asarray(mask))
     np.testing.assert_allclose(out, _naive(q, k, v, edges, scale), atol=2e-6)
-    dense = dense_masked_attention(q, k, v, jnp.asarray(mask))
-    plain = rows_edge_attention(q, k, v, edges, slots_per_row=r, block_slots=bs)
     np.testing.assert_allclose(plain, dense, atol=2e-6)
     empty = np.nonzero(~mask.any(axis=1))[0]
     assert len(empty) >= 5 and np.all(np.asarray(out)[empty] == 0.0), "empty rows are exactly 0"
@@ -93,8 +100,8 @@ def test_gradients_match_segment_and_dense(r, bs):
         q, k, v, edges, edge_scale=s, slots_per_row=r, block_slots=bs
     )
     seg_fn = lambda q, k, v, s: edge_attention(q, k, v, edges, edge_scale=s)
-    got = jax.grad(loss(rows_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
-    ref = jax.grad(loss(seg_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
+    got = jax.jit(jax.grad(loss(rows_fn), argnums=(0, 1, 2, 3)))(q, k, v, scale)
+    ref = jax.jit(jax.grad(loss(seg_fn), argnums=(0, 1, 2, 3)))(q, k, v, scale)
     for name, a, b in zip("qkvs", got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=3e-6, err_msg=f"d{name}")
     assert np.all(np.asarray(got[3])[e:] == 0.0), "empty slots get exactly zero gradient"
@@ -106,10 +113,10 @@ def test_gradients_match_segment_and_dense(r, bs):
         full = jnp.zeros((N, M)).at[rr, cc].set(s[:e])
         return dense_masked_attention(q, k, v, jnp.asarray(mask), scale=full)
 
-    dref = jax.grad(loss(dense_fn), argnums=(0, 1, 2, 3))(q, k, v, scale)
+    dref = jax.jit(jax.grad(loss(dense_fn), argnums=(0, 1, 2, 3)))(q, k, v, scale)
     for name, a, b in zip("qkv", got[:3], dref[:3], strict=False):
         np.testing.assert_allclose(a, b, atol=3e-6, err_msg=f"dense d{name}")
-    np.testing.assert_allclose(got[3][:e], dref[3][:e], atol=3e-6)
+    np.testing.assert_allclose(np.asarray(got[3])[:e], np.asarray(dref[3])[:e], atol=3e-6)
 
 
 def test_dropout_matches_segment_with_the_same_key():
@@ -121,13 +128,16 @@ def test_dropout_matches_segment_with_the_same_key():
     def loss(impl):
         return lambda q, k, v: jnp.sum(edge_attention(q, k, v, edges, impl=impl, **kw) * g)
 
-    np.testing.assert_allclose(
-        edge_attention(q, k, v, edges, impl="rows", **kw),
-        edge_attention(q, k, v, edges, **kw),
-        atol=2e-6,
+    # One program per implementation (not op-by-op compiles): output and gradients.
+    run = jax.jit(
+        lambda q, k, v, impl: (
+            edge_attention(q, k, v, edges, impl=impl, **kw),
+            jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v),
+        ),
+        static_argnums=3,
     )
-    got = jax.grad(loss("rows"), argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(loss("segment"), argnums=(0, 1, 2))(q, k, v)
+    (out_rows, got), (out_seg, ref) = run(q, k, v, "rows"), run(q, k, v, "segment")
+    np.testing.assert_allclose(out_rows, out_seg, atol=2e-6)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=3e-6)
 
@@ -135,7 +145,7 @@ def test_dropout_matches_segment_with_the_same_key():
 def test_layout_covers_every_valid_slot_once():
     mask = _mask(3, 0.25)
     edges = _edges(mask, extra_slots=9)
-    blocks = row_blocks(edges, N, slots_per_row=3, block_rows=4)
+    blocks = jax.jit(lambda e: row_blocks(e, N, slots_per_row=3, block_rows=4))(edges)
     row, start, length = (np.asarray(a) for a in blocks)
     assert len(row) % 4 == 0 and np.all(np.diff(row) >= 0)
     seen = np.concatenate([np.arange(s, s + n) for s, n in zip(start, length, strict=True)])
@@ -152,7 +162,8 @@ def test_batched_jit_checkpoint_like_the_layer():
     masks = [_mask(s, d) for s, d in ((4, 0.2), (5, 0.5), (6, 0.05))]
     cap = max(int(m.sum()) for m in masks) + 3
     lists = [_edges(m, cap - int(m.sum())) for m in masks]
-    edges = jax.tree.map(lambda *a: jnp.stack(a), *lists)
+    edges = jax.tree.map(lambda *a: np.stack(a), *lists)
+
     ks = jax.random.split(jax.random.PRNGKey(7), 4)
     q = jax.random.normal(ks[0], (3, N, D))
     k = jax.random.normal(ks[1], (3, M, D))
@@ -289,6 +300,7 @@ def test_rows_kernel_keeps_float32_scores_under_bf16(scale):
     )
     g = jax.random.normal(ks[3], (N, DV))
 
+    @jax.jit  # one program per dtype, not op-by-op compiles
     def run(q, k, v):
         fn = lambda q, k, v: jnp.sum(  # noqa: E731
             rows_edge_attention(q, k, v, edges).astype(jnp.float32) * g
@@ -296,7 +308,7 @@ def test_rows_kernel_keeps_float32_scores_under_bf16(scale):
         return rows_edge_attention(q, k, v, edges), jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
 
     out, grads = run(q, k, v)
-    ref_out, ref_grads = run(*(a.astype(jnp.float32) for a in (q, k, v)))
+    ref_out, ref_grads = run(*(np.asarray(a, np.float32) for a in (q, k, v)))
     assert out.dtype == jnp.bfloat16 and all(gr.dtype == jnp.bfloat16 for gr in grads)
     # Independent float64 check of the float32 run.
     np.testing.assert_allclose(
@@ -325,14 +337,16 @@ def test_return_lse_is_each_rows_log_normaliser_without_gradient(impl):
     mask = _mask(2, 0.3)
     edges = _edges(mask, extra_slots=6)
     q, k, v, scale, g = _inputs(2, edges.capacity)
-    out, lse = edge_attention(q, k, v, edges, edge_scale=scale, impl=impl, return_lse=True)
+    attend = partial(edge_attention, k=k, v=v, edges=edges, edge_scale=scale, impl=impl)
+    out, lse = jax.jit(partial(attend, return_lse=True))(q)
     np.testing.assert_allclose(lse, _naive_lse(q, k, edges, scale), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(lse)[~mask.any(1)] == 0.0)
-    np.testing.assert_allclose(out, edge_attention(q, k, v, edges, edge_scale=scale, impl=impl))
+    np.testing.assert_allclose(out, jax.jit(attend)(q))
 
     # lse carries no gradient: a loss on it and the output has the output's gradient.
     def loss(q, with_lse):
         o, s = edge_attention(q, k, v, edges, edge_scale=scale, impl=impl, return_lse=True)
         return jnp.sum(o * g) + (jnp.sum(s**2) if with_lse else 0.0)
 
-    np.testing.assert_array_equal(jax.grad(loss)(q, True), jax.grad(loss)(q, False))
+    both = jax.jit(lambda q: (jax.grad(loss)(q, True), jax.grad(loss)(q, False)))
+    np.testing.assert_array_equal(*both(q))

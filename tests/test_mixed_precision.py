@@ -35,19 +35,20 @@ def _edges(mask):
     return EdgeList(
         rows=jnp.asarray(rows, jnp.int32),
         cols=jnp.asarray(cols, jnp.int32),
-        valid=jnp.ones(len(rows), bool),
-        probs=jnp.zeros(len(rows)),
+        valid=jnp.asarray(np.ones(len(rows), bool)),
+        probs=jnp.asarray(np.zeros(len(rows), np.float32)),
     )
 
 
 def test_edge_and_dense_kernels_keep_float32_statistics():
     q, k, v, mask = _inputs()
     edges = _edges(mask)
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    f32 = [np.asarray(a, np.float32) for a in (q, k, v)]
     for fn in (
         lambda a, b, c: edge_attention(a, b, c, edges),
         lambda a, b, c: dense_masked_attention(a, b, c, jnp.asarray(mask)),
     ):
+        fn = jax.jit(fn)  # one program per dtype, not op-by-op compiles
         low = fn(q, k, v)
         ref = fn(*f32)
         assert low.dtype == jnp.bfloat16
@@ -79,14 +80,18 @@ def _model_config(dtype: str) -> ml_collections.ConfigDict:
 
 def test_bf16_encoder_matches_float32_with_float32_params():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 1, 50)
-    mask = jnp.arange(16)[None, :] < jnp.array([[16], [12], [9], [16]])
+    mask = jnp.asarray(np.arange(16)[None, :] < np.array([[16], [12], [9], [16]]))
     f32_model = build_model(_model_config("float32"), "classification")
     bf16_model = build_model(_model_config("bfloat16"), "classification")
-    params = nn.unbox(f32_model.init(jax.random.PRNGKey(0), tokens, mask, deterministic=True))[
-        "params"
-    ]
+    # Each init / apply is one jitted program, not op-by-op compiles.
+    init = jax.jit(lambda key: nn.unbox(f32_model.init(key, tokens, mask, deterministic=True)))
+    params = init(jax.random.PRNGKey(0))["params"]
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-    ref = f32_model.apply({"params": params}, tokens, mask, deterministic=True)
-    low = bf16_model.apply({"params": params}, tokens, mask, deterministic=True)
+    ref = jax.jit(lambda p: f32_model.apply({"params": p}, tokens, mask, deterministic=True))(
+        params
+    )
+    low = jax.jit(lambda p: bf16_model.apply({"params": p}, tokens, mask, deterministic=True))(
+        params
+    )
     assert np.isfinite(np.asarray(low, np.float32)).all()
     np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(ref), atol=0.1)

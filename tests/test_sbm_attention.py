@@ -104,18 +104,23 @@ def test_layer_picks_smallest_bucket_that_fits():
             impl="sparse",
         )[1]
     )
-    seen = set()
-    for seed in range(12):
-        key = jax.random.PRNGKey(seed)
-        stats = core(key)
-        plans = jax.vmap(
+    plans = jax.jit(
+        jax.vmap(
             jax.vmap(
                 lambda a, b, c, m: make_plan(a, b, c, q_mask=m, k_mask=m, law="poisson"),
                 in_axes=(0, 0, 0, None),
             ),
             in_axes=(0, None, 0, 0),
-        )(q_memb, block, k_memb, MASK)
-        counts = jax.random.poisson(jax.random.split(key)[0], plans.row_rate).sum(-1)
+        )
+    )(q_memb, block, k_memb, MASK)
+    row_counts = jax.jit(
+        lambda key: jax.random.poisson(jax.random.split(key)[0], plans.row_rate).sum(-1)
+    )
+    seen = set()
+    for seed in range(12):
+        key = jax.random.PRNGKey(seed)
+        stats = core(key)
+        counts = row_counts(key)
         want = int(np.sum(np.array(caps) < int(counts.max())))
         assert int(stats["path"]) == want
         assert not np.asarray(stats["overflow"]).any()
@@ -165,6 +170,11 @@ def test_sparse_and_dense_paths_sample_the_same_law(law):
 
 def _memberships(mod, params, x):
     # Recompute the layer's memberships and block from its parameters (eqs. 5-7).
+    return _memberships_of(params, x)
+
+
+@jax.jit  # one program: run op by op, its ~40 operations would each compile alone
+def _memberships_of(params, x):
     p = params
     q = jnp.einsum("bld,dhe->blhe", x, p["query"]["kernel"]) + p["query"]["bias"]
     k = jnp.einsum("bld,dhe->blhe", x, p["key"]["kernel"]) + p["key"]["bias"]
@@ -263,7 +273,7 @@ def test_gradients_reach_sbm_parameters_and_are_finite():
         y, st = _apply(mod, params, x, jax.random.PRNGKey(2))
         return jnp.mean(y**2) + jnp.mean(st[STATS_COLLECTION]["density"][0])
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     for name in ("clusters", "mlp_w1", "mlp_w2", "query", "key", "value"):
         leaves = jax.tree.leaves(grads[name])
         assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
@@ -298,9 +308,10 @@ def test_dense_probs_match_memberships():
     x = _x()
     params = _init(mod, x)
     qm, s, km = _memberships(mod, params, x)
-    plan = make_plan(qm[1, 0], s[0], km[1, 0], q_mask=MASK[1], k_mask=MASK[1])
-    want = np.asarray(qm[1, 0] @ s[0] @ km[1, 0].T) * np.outer(MASK[1], MASK[1])
-    np.testing.assert_allclose(dense_probs(plan), want, rtol=1e-5, atol=1e-7)
+    plan = jax.jit(make_plan)(qm[1, 0], s[0], km[1, 0], q_mask=MASK[1], k_mask=MASK[1])
+    want = np.asarray(qm[1, 0], np.float64) @ np.asarray(s[0], np.float64)
+    want = want @ np.asarray(km[1, 0], np.float64).T * np.outer(MASK[1], MASK[1])
+    np.testing.assert_allclose(jax.jit(dense_probs)(plan), want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -714,7 +725,9 @@ def test_memberships_are_sown_on_request_only():
     np.testing.assert_allclose(np.asarray(st["key_density"][0]), want_key, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dense", "sparse"])
+# suite time (~20 s): the sparse path runs with -m slow; tests/test_pairs_estimator.py
+# checks the sparse path's pairs kernel against numpy in the default run.
+@pytest.mark.parametrize("impl", ["dense", pytest.param("sparse", marks=pytest.mark.slow)])
 def test_pairs_estimator_gives_the_density_its_exact_gradient(impl):
     # Under ste="pairs" the edge count's cotangent reaches every real pair, sampled or
     # not, so the gradient of the sampled density is the gradient of its expectation:
@@ -742,17 +755,15 @@ def test_pairs_estimator_gives_the_density_its_exact_gradient(impl):
         per_graph = jnp.sum(p * pairs[:, None], axis=(2, 3)) / pairs.sum((1, 2))[:, None]
         return jnp.mean(per_graph)
 
-    _, st = mod.apply(
-        {"params": params},
-        x,
-        MASK,
-        rngs={"sample": jax.random.PRNGKey(3)},
-        mutable=[STATS_COLLECTION],
-    )
+    _, st = _apply(mod, params, x, jax.random.PRNGKey(3))
     assert int(st[STATS_COLLECTION]["path"][0]) == (0 if impl == "sparse" else 1)
-    got = jax.grad(density)(params, mod)
-    want = jax.grad(expected)(params)
-    eq9 = jax.grad(density)(params, _module(impl=impl, ste="paper", delta=0.0))
+
+    def grad_of_density(module):  # jitted: one program instead of op-by-op compiles
+        return jax.jit(jax.grad(lambda p: density(p, module)))(params)
+
+    got = grad_of_density(mod)
+    want = jax.jit(jax.grad(expected))(params)
+    eq9 = grad_of_density(_module(impl=impl, ste="paper", delta=0.0))
     for name in ("clusters", "mlp_w1", "mlp_b2", "query"):
         for a, b, c in zip(
             jax.tree.leaves(got[name]),

@@ -21,8 +21,12 @@ def test_config_builds_the_tsa_classifier_and_trains():
     assert model.hidden_dim == 20 and model.num_heads == 2
     batch = next(task.train_batches(0))
     rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-    params = nn.unbox(model.init(rngs, **task.model_inputs(batch), deterministic=True))["params"]
-    logits = model.apply({"params": params}, **task.model_inputs(batch), deterministic=True)
+    inputs = task.model_inputs(batch)
+    # one compiled program each, not op-by-op compiles
+    init = jax.jit(lambda rngs, inputs: model.init(rngs, **inputs, deterministic=True))
+    params = nn.unbox(init(rngs, inputs))["params"]
+    apply = jax.jit(lambda params, inputs: model.apply(params, **inputs, deterministic=True))
+    logits = apply({"params": params}, inputs)
     assert logits.shape == (batch["inputs"].shape[0], config.model.num_classes)
     assert np.isfinite(np.asarray(logits)).all()
 

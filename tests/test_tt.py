@@ -52,7 +52,7 @@ def test_numpy_references_agree():
 
 def test_tt_to_dense_matches_definition():
     cores = random_cores(1)
-    w = tt_to_dense([jnp.asarray(c) for c in cores])
+    w = jax.jit(tt_to_dense)([jnp.asarray(c) for c in cores])
     assert w.shape == (12, 24)
     np.testing.assert_allclose(np.asarray(w), tt_dense_by_loops(cores), rtol=1e-5, atol=1e-5)
 
@@ -61,7 +61,7 @@ def test_tt_to_dense_matches_definition():
 def test_tt_contract_equals_dense_matmul(lead):
     cores = random_cores(2)
     x = np.random.default_rng(3).standard_normal((*lead, 12)).astype(np.float32)
-    y = tt_contract(jnp.asarray(x), [jnp.asarray(c) for c in cores])
+    y = jax.jit(tt_contract)(jnp.asarray(x), [jnp.asarray(c) for c in cores])
     expected = x.astype(np.float64) @ tt_dense_by_loops(cores)
     assert y.shape == (*lead, 24)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4)
@@ -77,8 +77,8 @@ def test_tt_contract_gradients_match_dense():
     def loss_dense(x, cores):
         return jnp.sum(jnp.sin(x @ tt_to_dense(cores)))
 
-    gx_tt, gc_tt = jax.grad(loss_tt, argnums=(0, 1))(x, cores)
-    gx_dense, gc_dense = jax.grad(loss_dense, argnums=(0, 1))(x, cores)
+    gx_tt, gc_tt = jax.jit(jax.grad(loss_tt, argnums=(0, 1)))(x, cores)
+    gx_dense, gc_dense = jax.jit(jax.grad(loss_dense, argnums=(0, 1)))(x, cores)
     # Closed form for the input gradient: cos(x W) W^T.
     w = tt_dense_by_loops([np.asarray(c) for c in cores])
     xw = np.asarray(x, np.float64) @ w
@@ -91,11 +91,11 @@ def test_tt_contract_gradients_match_dense():
 def test_ttdense_module_matches_dense_with_bias():
     layer = TTDense(24, rank=RANKS, in_modes=IN_MODES, out_modes=OUT_MODES, use_bias=True)
     x = jnp.asarray(np.random.default_rng(6).standard_normal((3, 12)), jnp.float32)
-    params = layer.init(jax.random.key(0), x)["params"]
+    params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
     cores = random_cores(7)
     bias = np.random.default_rng(8).standard_normal(24).astype(np.float32)
     params = {f"core_{n}": jnp.asarray(c) for n, c in enumerate(cores)} | {"bias": bias}
-    y = layer.apply({"params": params}, x)
+    y = jax.jit(layer.apply)({"params": params}, x)
     expected = np.asarray(x, np.float64) @ tt_dense_by_loops(cores) + bias
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4)
     assert [c.shape for c in tt_cores_of(params)] == tt_core_shapes(IN_MODES, OUT_MODES, RANKS)
@@ -104,19 +104,22 @@ def test_ttdense_module_matches_dense_with_bias():
 def test_ttdense_auto_modes_for_unequal_dims():
     layer = TTDense(8, rank=3, use_bias=False)
     x = jnp.ones((2, 12))
-    params = layer.init(jax.random.key(1), x)["params"]
+    params = jax.jit(layer.init)(jax.random.key(1), x)["params"]
     cores = tt_cores_of(params)
     assert [c.shape[1] for c in cores] == [2, 2, 3]
     assert [c.shape[2] for c in cores] == [2, 2, 2]
     w = tt_dense_by_loops([np.asarray(c) for c in cores])
     np.testing.assert_allclose(
-        np.asarray(layer.apply({"params": params}, x)), np.ones((2, 12)) @ w, rtol=1e-4, atol=1e-4
+        np.asarray(jax.jit(layer.apply)({"params": params}, x)),
+        np.ones((2, 12)) @ w,
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
 def test_param_count_formula_matches_module():
     layer = TTDense(24, rank=RANKS, in_modes=IN_MODES, out_modes=OUT_MODES, use_bias=False)
-    params = layer.init(jax.random.key(0), jnp.ones((1, 12)))["params"]
+    params = jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 12)))["params"]
     counted = sum(p.size for p in jax.tree.leaves(params))
     # sum_n R_{n-1} I_n J_n R_n = 1*2*3*2 + 2*3*2*3 + 3*2*4*1
     assert counted == tt_num_params(IN_MODES, OUT_MODES, RANKS) == 12 + 36 + 24
