@@ -55,20 +55,20 @@ def test_mask_has_the_law_and_never_touches_padding(law):
     want = np.minimum(rate, 1.0) if law == "bernoulli" else 1.0 - np.exp(-rate)
     real = Q_MASK[:, None] & K_MASK[None, :]
     keys = jax.random.split(jax.random.PRNGKey(0), trials)
-    draw = jax.jit(
-        jax.vmap(
-            lambda kk: streamed_mask(
-                kk,
-                *_f32(ys, zk),
-                jnp.asarray(Q_MASK),
-                jnp.asarray(K_MASK),
-                delta,
-                law=law,
-                block_rows=4,
-            )
+
+    def draws(ys, keys):  # one mask per key, all in one jitted program
+        one = lambda kk: streamed_mask(  # noqa: E731
+            kk,
+            *_f32(ys, zk),
+            jnp.asarray(Q_MASK),
+            jnp.asarray(K_MASK),
+            delta,
+            law=law,
+            block_rows=4,
         )
-    )
-    masks = np.asarray(draw(keys))
+        return np.asarray(jax.jit(jax.vmap(one))(keys))
+
+    masks = draws(ys, keys)
     freq = masks.mean(0)
     assert not masks[:, ~real].any(), "an edge touched a padded query or key"
     t = want[real]
@@ -84,21 +84,7 @@ def test_mask_has_the_law_and_never_touches_padding(law):
     # blocks with the same probabilities agree on a pair only as often as independent
     # draws would, p^2 + (1 - p)^2, not always.
     same = np.tile(ys[:4], (N // 4 + 1, 1))[:N] * Q_MASK[:, None]
-    masks = np.asarray(
-        jax.jit(
-            jax.vmap(
-                lambda kk: streamed_mask(
-                    kk,
-                    *_f32(same, zk),
-                    jnp.asarray(Q_MASK),
-                    jnp.asarray(K_MASK),
-                    delta,
-                    law=law,
-                    block_rows=4,
-                )
-            )
-        )(keys[:500])
-    )
+    masks = draws(same, keys[:500])
     a, b = masks[:, 0:4][:, :, K_MASK], masks[:, 4:8][:, :, K_MASK]
     pr = (want[0:4][:, K_MASK])[None]
     agree = np.mean(a == b)
