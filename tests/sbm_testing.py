@@ -2,6 +2,8 @@
 (eq. 9 and the released code's estimator, written out here independently of the layer).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,22 @@ def reference_attention(q, k, v, p, mask, key_mask):
     attn = jax.nn.softmax(dot, axis=-1) * graph
     attn = attn / jnp.maximum(jnp.sum(jnp.abs(attn), axis=-1, keepdims=True), 1e-12)
     return attn @ v, graph
+
+
+@partial(jax.jit, static_argnames="law")  # one program, not op-by-op compiles
+def plans_and_counts(rng, qm, blk, km, mask, *, law, delta):
+    """The layer's sampling plans per (example, head) and its Poisson count per query row,
+    drawn from ``rng`` as the layer draws them (the first half of ``split(rng)``):
+    memberships ``[B, H, L, k]``, block ``[H, k, k]``, padding mask ``[B, L]``."""
+    plans = jax.vmap(
+        jax.vmap(
+            lambda a, s_, c, mk: make_plan(a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law),
+            in_axes=(0, 0, 0, None),
+        ),
+        in_axes=(0, None, 0, 0),
+    )(qm, blk, km, mask)
+    counts = jax.random.poisson(jax.random.split(rng)[0], plans.row_rate).astype(jnp.int32)
+    return plans, counts
 
 
 def same_graphs_dense_loss(
@@ -70,23 +88,9 @@ def same_graphs_dense_loss(
     self_loops, window = forced if forced is not None else (False, 0)
     half = window // 2 if window > 0 else (0 if self_loops else None)
     batch, heads = q.shape[:2]
-    k_count, k_sample = jax.random.split(rng)
+    k_sample = jax.random.split(rng)[1]
     keys = jax.random.split(k_sample, (batch, heads))
-
-    @jax.jit  # one program, not a hundred single operations compiled one by one
-    def plans_and_counts(qm, blk, km, mask, k_count):
-        plans = jax.vmap(
-            jax.vmap(
-                lambda a, s_, c, mk: make_plan(
-                    a, s_, c, delta=delta, q_mask=mk, k_mask=mk, law=law
-                ),
-                in_axes=(0, 0, 0, None),
-            ),
-            in_axes=(0, None, 0, 0),
-        )(qm, blk, km, mask)
-        return plans, jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)  # per row
-
-    plans, counts = plans_and_counts(qm, blk, km, mask, k_count)
+    plans, counts = plans_and_counts(rng, qm, blk, km, mask, law=law, delta=delta)
 
     def graph(key, plan, count, q_mask):  # one (example, head): [L, L] bool
         if dense:  # the streamed dense path's mask (sbm_jax.kernels.dense)
