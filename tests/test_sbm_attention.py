@@ -341,6 +341,19 @@ def _core_case(seed: int = 0):
     return q, k, v, qm, blk, km, g, wd
 
 
+@pytest.fixture
+def fresh_core_traces():
+    """The core's jitted body traced afresh in this test and after it. ``jax.jit`` keeps
+    its traces by static options, so a trace made before a module function was
+    monkeypatched (heads per step) would be reused here, and one made with the patch
+    would be reused by later calls with the same options."""
+    import sbm_jax.attention.sbm as sbm_mod
+
+    sbm_mod._sbm_attention_core.clear_cache()
+    yield
+    sbm_mod._sbm_attention_core.clear_cache()
+
+
 @pytest.mark.parametrize(
     "law, kernel, per_step, impl, ste, forced",
     [
@@ -363,7 +376,7 @@ def _core_case(seed: int = 0):
     ],
 )
 def test_core_gradients_match_dense_reference_per_head(
-    monkeypatch, law, kernel, per_step, impl, ste, forced
+    monkeypatch, fresh_core_traces, law, kernel, per_step, impl, ste, forced
 ):
     # The whole core (plan, fastRG, STE of p via SpMMs, kernel, density) under grad, with
     # B*H = 4 graphs: every head's gradient must be its own (no sum over heads), heads
