@@ -248,11 +248,21 @@ def sampler_fn(law: str, capacity: int) -> Callable[..., Any]:
     ``edges_from_keys``; the layer never computes ``p_e`` after the draw (its
     straight-through estimator needs none). The per-row draw counts are an input, as in
     the layer (which draws them before it picks a capacity bucket): see
-    :func:`fill_counts`.
+    :func:`fill_counts`. The thinning's budget and the prefix steps are the layer's for
+    the head mapping (one graph at a time: a real ``lax.cond`` / ``lax.switch``).
     """
+    from sbm_jax.attention.sbm import sparse_heads_per_step
+
+    one_at_a_time = HEADS["mode"] != "vmap" and sparse_heads_per_step() == 1
+    options = dict(
+        capacity=capacity,
+        law=law,
+        thin_budget=fastrg.THIN_BUDGET if one_at_a_time else None,
+        prefix_steps=fastrg.PREFIX_STEPS if one_at_a_time else 1,
+    )
 
     def one(key, plan, row_counts):
-        keys = fastrg.sample_edge_keys(key, plan, row_counts, capacity=capacity, law=law)
+        keys = fastrg.sample_edge_keys(key, plan, row_counts, **options)
         e = fastrg.edges_from_keys(keys, plan.y.shape[0], plan.z.shape[0])
         return e.rows, e.cols, e.valid
 

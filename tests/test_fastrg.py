@@ -322,6 +322,56 @@ def test_sample_edge_keys_are_the_sampler_layout():
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
 
 
+def test_prefix_steps_give_the_same_keys_bit_for_bit():
+    # The work after the draw on the smallest static prefix of the slots that holds every
+    # draw (a lax.switch): the same keys as on all the slots, for totals below, on and
+    # past each prefix size, past the capacity (overflow), with and without forced edges.
+    import sbm_jax.fastrg as fr
+    from sbm_jax.attention.sbm import forced_edge_keys
+
+    q, s, k = _sbm(0.8)
+    forced = forced_edge_keys(jnp.asarray(Q_MASK), jnp.asarray(K_MASK), self_loops=True, window=4)
+    old = fr.PREFIX_ALIGN
+    fr.PREFIX_ALIGN = 16  # read when jit traces: prefixes of 112, 208, 304 and 400 slots
+    try:
+        assert fr.prefix_sizes(400, 4) == (112, 208, 304, 400)
+        for law in ("bernoulli", "poisson"):
+            plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law)
+            for fk in (None, forced):
+                draw = {
+                    steps: jax.jit(
+                        functools.partial(
+                            fr.sample_edge_keys,
+                            capacity=400,
+                            law=law,
+                            forced_keys=fk,
+                            prefix_steps=steps,
+                        )
+                    )
+                    for steps in (1, 4)
+                }
+                for i, total in enumerate((0, 5, 112, 113, 250, 400, 460)):
+                    key, count = jax.random.PRNGKey(i), jnp.asarray(total, jnp.int32)
+                    want = np.asarray(draw[1](key, plan, count))
+                    got = np.asarray(draw[4](key, plan, count))
+                    np.testing.assert_array_equal(got, want, err_msg=f"{law} {total}")
+                    assert (want != N * M).sum() >= min(total, 5)
+    finally:
+        fr.PREFIX_ALIGN = old
+
+
+def test_prefix_sizes():
+    from sbm_jax.fastrg import PREFIX_ALIGN as A
+    from sbm_jax.fastrg import prefix_sizes
+
+    c = 10 * A
+    assert prefix_sizes(c, 1) == (c,)
+    assert prefix_sizes(c, 4) == (3 * A, 5 * A, 8 * A, c)
+    assert prefix_sizes(A // 2, 4) == (A // 2,)  # too small to cut
+    with pytest.raises(ValueError, match="prefix_steps must be >= 1"):
+        prefix_sizes(c, 0)
+
+
 def _cdf_cases():
     rng = np.random.default_rng(3)
     length = 50

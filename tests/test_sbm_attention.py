@@ -451,8 +451,9 @@ def test_core_gradients_match_dense_reference_per_head(
 
 
 def test_backward_pass_does_not_rerun_fastrg():
-    # With the keys kept as a named residual, the training step contains one sort per
-    # sparse bucket (fastRG's deduplication), not two (forward + recomputation).
+    # With the keys kept as a named residual, the training step contains fastRG's sorts
+    # (its deduplication: one per sparse bucket and prefix size) once, as the forward
+    # pass alone does, not twice (forward + recomputation).
     q, k, v, qm, blk, km, g, wd = _core_case()
     buckets = (1 / 8, 1 / 2)
 
@@ -474,8 +475,10 @@ def test_backward_pass_does_not_rerun_fastrg():
         )
         return jnp.sum(out * g) + jnp.sum(st["density"])
 
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, qm).as_text()
-    assert hlo.count("stablehlo.sort") == len(buckets)
+    step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, qm).as_text()
+    forward = jax.jit(loss).lower(q, qm).as_text()
+    assert forward.count("stablehlo.sort") >= len(buckets)
+    assert step.count("stablehlo.sort") == forward.count("stablehlo.sort")
 
 
 def _projections(params, x):

@@ -34,6 +34,7 @@ from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, pr
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
 from sbm_jax.fastrg import (
+    PREFIX_STEPS,
     THIN_BUDGET,
     SamplingPlan,
     check_law,
@@ -135,13 +136,21 @@ def _sparse_head(
     rate,
     kernel="rows",
     thin_budget=None,
+    prefix_steps=1,
     ste="paper",
     pair_probes=DEFAULT_PAIR_PROBES,
 ):
     n, m = plan.y.shape[0], plan.z.shape[0]
     forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
     keys = sample_edge_keys(
-        key, plan, count, capacity=capacity, law=law, forced_keys=forced, thin_budget=thin_budget
+        key,
+        plan,
+        count,
+        capacity=capacity,
+        law=law,
+        forced_keys=forced,
+        thin_budget=thin_budget,
+        prefix_steps=prefix_steps,
     )
     keys = checkpoint_name(keys, "sbm_edge_keys")
     edges = edges_from_keys(keys, n, m)
@@ -479,7 +488,9 @@ def _sbm_attention_core(
         operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
         # One head at a time, the thinning's lax.cond really skips work; under vmap (any
         # batch of heads) it would run both branches, so p_e is computed on every slot.
+        # Likewise the choice of how many slots the sort and thinning work on.
         thin_budget = THIN_BUDGET if per_step == 1 else None
+        prefix_steps = PREFIX_STEPS if per_step == 1 else 1
 
         # Checkpointed per head *and* per branch. Per head: the scan over heads keeps
         # only each head's sampled keys (and the kernel's output and log-normaliser), and
@@ -495,6 +506,7 @@ def _sbm_attention_core(
                 capacity=c,
                 kernel=kernel,
                 thin_budget=thin_budget,
+                prefix_steps=prefix_steps,
                 pair_probes=pair_probes,
                 **common,
             )
