@@ -494,8 +494,9 @@ def calibrate_edge_cost(
 
 
 # ----------------------------------------------------------------------------- driver
-#: Whole-layer cases of the issue-14 target table: (n, density).
-LAYER_CASES = ((1024, 0.05), (2048, 0.9), (4096, 0.05))
+#: Whole-layer cases: (n, density). Those of the issue-14 target table, and n=4096 at 2%
+#: (a bucket filled to a third: does the cost follow the draws inside a bucket?).
+LAYER_CASES = ((1024, 0.05), (2048, 0.9), (4096, 0.02), (4096, 0.05))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
