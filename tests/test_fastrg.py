@@ -331,8 +331,9 @@ def test_prefix_steps_give_the_same_keys_bit_for_bit():
 
     q, s, k = _sbm(0.8)
     forced = forced_edge_keys(jnp.asarray(Q_MASK), jnp.asarray(K_MASK), self_loops=True, window=4)
-    old = fr.PREFIX_ALIGN
-    fr.PREFIX_ALIGN = 16  # read when jit traces: prefixes of 112, 208, 304 and 400 slots
+    old = fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY
+    # (read when jit traces) prefixes of 112, 208, 304 and 400 slots
+    fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY = 16, 0
     try:
         assert fr.prefix_sizes(400, 4) == (112, 208, 304, 400)
         for law in ("bernoulli", "poisson"):
@@ -357,17 +358,21 @@ def test_prefix_steps_give_the_same_keys_bit_for_bit():
                     np.testing.assert_array_equal(got, want, err_msg=f"{law} {total}")
                     assert (want != N * M).sum() >= min(total, 5)
     finally:
-        fr.PREFIX_ALIGN = old
+        fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY = old
 
 
 def test_prefix_sizes():
     from sbm_jax.fastrg import PREFIX_ALIGN as A
-    from sbm_jax.fastrg import prefix_sizes
+    from sbm_jax.fastrg import PREFIX_MIN_CAPACITY, prefix_sizes
 
-    c = 10 * A
+    c = 4 * A * -(-PREFIX_MIN_CAPACITY // A)  # a multiple of 4 A, at least the minimum
+    q = c // 4
     assert prefix_sizes(c, 1) == (c,)
-    assert prefix_sizes(c, 4) == (3 * A, 5 * A, 8 * A, c)
-    assert prefix_sizes(A // 2, 4) == (A // 2,)  # too small to cut
+    assert prefix_sizes(c, 2) == (2 * q, c)
+    assert prefix_sizes(c, 4) == (q, 2 * q, 3 * q, c)
+    assert prefix_sizes(c + 1, 2) == (2 * q + A, c + 1)  # rounded up to a multiple of A
+    small = PREFIX_MIN_CAPACITY - 1
+    assert prefix_sizes(small, 4) == (small,)  # below the minimum: not cut
     with pytest.raises(ValueError, match="prefix_steps must be >= 1"):
         prefix_sizes(c, 0)
 
