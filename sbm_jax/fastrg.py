@@ -685,9 +685,9 @@ def prefix_sizes(capacity: int, steps: int) -> tuple[int, ...]:
     :data:`PREFIX_MIN_CAPACITY`."""
     if steps < 1:
         raise ValueError(f"prefix_steps must be >= 1, got {steps}")
-    sizes = {capacity}
     if capacity < PREFIX_MIN_CAPACITY:
         return (capacity,)
+    sizes = {capacity}
     for j in range(1, steps):
         size = -(-capacity * j // steps // PREFIX_ALIGN) * PREFIX_ALIGN
         if 0 < size < capacity:

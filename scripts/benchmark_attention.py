@@ -251,15 +251,10 @@ def sampler_fn(law: str, capacity: int) -> Callable[..., Any]:
     :func:`fill_counts`. The thinning's budget and the prefix steps are the layer's for
     the head mapping (one graph at a time: a real ``lax.cond`` / ``lax.switch``).
     """
-    from sbm_jax.attention.sbm import sparse_heads_per_step
+    from sbm_jax.attention.sbm import sampler_options, sparse_heads_per_step
 
-    one_at_a_time = HEADS["mode"] != "vmap" and sparse_heads_per_step() == 1
-    options = dict(
-        capacity=capacity,
-        law=law,
-        thin_budget=fastrg.THIN_BUDGET if one_at_a_time else None,
-        prefix_steps=fastrg.PREFIX_STEPS if one_at_a_time else 1,
-    )
+    per_step = None if HEADS["mode"] == "vmap" else sparse_heads_per_step()
+    options = dict(capacity=capacity, law=law, **sampler_options(per_step))
 
     def one(key, plan, row_counts):
         keys = fastrg.sample_edge_keys(key, plan, row_counts, **options)

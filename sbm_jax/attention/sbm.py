@@ -232,6 +232,19 @@ def sparse_heads_per_step(backend: str | None = None) -> int | None:
     return 1 if backend == "cpu" else None
 
 
+def sampler_options(heads_per_step: int | None) -> dict[str, Any]:
+    """The options of :func:`~sbm_jax.fastrg.sample_edge_keys` for graphs sampled
+    ``heads_per_step`` at a time (:func:`sparse_heads_per_step`). One at a time, the
+    thinning's ``lax.cond`` and the prefix ``lax.switch`` really skip work; under
+    ``vmap`` (any batch of graphs) they would run every branch, so ``p_e`` is computed on
+    every slot and the sort runs on all of them."""
+    one_at_a_time = heads_per_step == 1
+    return dict(
+        thin_budget=THIN_BUDGET if one_at_a_time else None,
+        prefix_steps=PREFIX_STEPS if one_at_a_time else 1,
+    )
+
+
 def map_over_heads(fn, heads_per_step: int | None):
     """Like :func:`_over_batch_and_heads`, but ``heads_per_step`` (example, head) pairs
     at a time (``lax.map`` over the flattened ``B*H`` axis); ``None`` = all (``vmap``)."""
@@ -486,11 +499,7 @@ def _sbm_attention_core(
             row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
         counts = jnp.sum(row_counts, axis=-1)
         operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
-        # One head at a time, the thinning's lax.cond really skips work; under vmap (any
-        # batch of heads) it would run both branches, so p_e is computed on every slot.
-        # Likewise the choice of how many slots the sort and thinning work on.
-        thin_budget = THIN_BUDGET if per_step == 1 else None
-        prefix_steps = PREFIX_STEPS if per_step == 1 else 1
+        sampling = sampler_options(per_step)
 
         # Checkpointed per head *and* per branch. Per head: the scan over heads keeps
         # only each head's sampled keys (and the kernel's output and log-normaliser), and
@@ -505,9 +514,8 @@ def _sbm_attention_core(
                 _sparse_head,
                 capacity=c,
                 kernel=kernel,
-                thin_budget=thin_budget,
-                prefix_steps=prefix_steps,
                 pair_probes=pair_probes,
+                **sampling,
                 **common,
             )
             per_head = jax.checkpoint(head, policy=SPARSE_BRANCH_POLICY)
