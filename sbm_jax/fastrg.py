@@ -29,6 +29,7 @@ Masked queries and keys get zero membership, so no edge can touch padding.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -246,6 +247,31 @@ def _guide_marks(cdf: jax.Array, span: int) -> jax.Array:
 
 
 def _guide_table(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
+    """:func:`_guide_table_rows` of ``cdf`` ``[R, L]``, whose batch axes under ``vmap``
+    become rows: the layer builds its plans under ``vmap`` over (example, head), and a
+    batched scatter-add indexes by tuple (``[B H R L, 3]`` int32 indices, built at a cost
+    of 2-3x the scatter itself); one scatter over ``B H R`` rows does not.
+    """
+    return _guide_table_batched(span)(cdf)
+
+
+@functools.cache
+def _guide_table_batched(span: int):
+    @jax.custom_batching.custom_vmap
+    def table(cdf):
+        return _guide_table_rows(cdf, span)
+
+    @table.def_vmap
+    def rule(axis_size, in_batched, cdf):
+        del in_batched  # the only operand: batched whenever the rule runs
+        rows = cdf.reshape(axis_size * cdf.shape[1], cdf.shape[2])
+        # Calls ``table`` again, so that an outer vmap folds its axis in too.
+        return table(rows).reshape(axis_size, cdf.shape[1], -1), True
+
+    return table
+
+
+def _guide_table_rows(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
     """Guide table (Chen and Asau's indexed search) of each row of ``cdf`` ``[R, L]``.
 
     ``table[r, t]`` is the first ``j`` with ``cdf[r, j] > t * total_r / G`` (capped at

@@ -429,6 +429,30 @@ def test_guide_table_is_a_search_of_each_cut_point(span):
     np.testing.assert_array_equal(got, np.minimum(want, cases.shape[1] - 1))
 
 
+def test_guide_table_under_nested_vmap_is_the_table_of_each_row():
+    """The layer builds its plans under vmap over (example, head); the guide's batching
+    rule folds those axes into rows. Reference: numpy's search of each row's cut points."""
+    from sbm_jax.fastrg import _guide_marks, _guide_table
+
+    rng = np.random.default_rng(11)
+    weights = rng.random((2, 3, 5, 64)) ** 4
+    weights[0, 1, 2] = 0.0  # a row without weight
+    weights[1, 2, :, :30] = 0.0  # leading zero-weight keys
+    cdf = np.cumsum(weights, axis=-1).astype(np.float32)
+    for span in (4, GUIDE_SPAN):
+        table = jax.jit(jax.vmap(jax.vmap(lambda c, s=span: _guide_table(c, s))))
+        got = np.asarray(table(jnp.asarray(cdf)))
+        flat = cdf.reshape(-1, cdf.shape[-1])
+        marks = np.asarray(_guide_marks(jnp.asarray(flat), span))
+        pairs = zip(flat, marks, strict=True)
+        want = np.stack([np.searchsorted(c, t, side="right") for c, t in pairs])
+        want = np.minimum(want, cdf.shape[-1] - 1).reshape(got.shape)
+        np.testing.assert_array_equal(got, want)
+        # and one vmap level (the rule with an unbatched inner call)
+        one = np.asarray(jax.vmap(lambda c, s=span: _guide_table(c, s))(jnp.asarray(cdf[0])))
+        np.testing.assert_array_equal(one, want[0])
+
+
 # None: the default, GUIDE_SPAN (the key guide); ROW_GUIDE_SPAN: the cluster guide.
 # window: entries read at once before bisection (0: bisection alone; 1 and 3: most
 # brackets outgrow the window, so the bisection finishes them).
