@@ -27,16 +27,19 @@ import jax
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
 #: kernel, measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls rows
 #: segment`` (B=2, H=2, d_h=32, k=128, n=2048, 5% density in a bucket of 10% of n^2,
-#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2: rows 10.3
-#: and 8.0 in two runs, segment 30.9; buckets below ~1/9 of n*m run sparse with ``rows``
-#: (the defaults 1/64 and 1/16, not 1/4). ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2
-#: (2026-11-27): rows 50.8, segment 87.6; only buckets below ~1/51 of n*m run sparse (the
-#: default 1/64), since the dense branch is matrix products and the sparse one gathers,
-#: sorts and scatters. ``tpu``: NOT measured (no TPU was available); it takes the GPU's
-#: figures, on the expectation that gathers and scatters cost a TPU at least as much.
-#: Recalibrate there with ``--calibrate``.
+#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2,
+#: recalibrated 2026-11-29 on 56b59f5 (fastRG on prefixes of its bucket, the dense
+#: path's faster backward): rows 7.5, 8.0, 7.4, segment 15.2, 15.7, 15.1 in three runs
+#: (rows 10.3 and 8.0, segment 30.9 on 2026-11-27); buckets below ~1/8 of n*m run sparse
+#: with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with ``segment``.
+#: ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2 (2026-11-27): rows 50.8, segment 87.6;
+#: only buckets below ~1/51 of n*m run sparse (the default 1/64), since the dense branch
+#: is matrix products and the sparse one gathers, sorts and scatters. ``tpu``: NOT
+#: measured (no TPU was available); it takes the GPU's figures, on the expectation that
+#: gathers and scatters cost a TPU at least as much. Recalibrate there with
+#: ``--calibrate``.
 EDGE_COST: dict[str, dict[str, float]] = {
-    "cpu": {"rows": 9.0, "segment": 31.0},
+    "cpu": {"rows": 7.6, "segment": 15.3},
     "gpu": {"rows": 51.0, "segment": 88.0},
     "tpu": {"rows": 51.0, "segment": 88.0},
 }
