@@ -322,7 +322,7 @@ def test_sample_edge_keys_are_the_sampler_layout():
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
 
 
-def test_prefix_steps_give_the_same_keys_bit_for_bit():
+def test_prefix_steps_give_the_same_keys_bit_for_bit(monkeypatch):
     # The work after the draw on the smallest static prefix of the slots that holds every
     # draw (a lax.switch): the same keys as on all the slots, for totals below, on and
     # past each prefix size, past the capacity (overflow), with and without forced edges.
@@ -331,34 +331,31 @@ def test_prefix_steps_give_the_same_keys_bit_for_bit():
 
     q, s, k = _sbm(0.8)
     forced = forced_edge_keys(jnp.asarray(Q_MASK), jnp.asarray(K_MASK), self_loops=True, window=4)
-    old = fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY
     # (read when jit traces) prefixes of 112, 208, 304 and 400 slots
-    fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY = 16, 0
-    try:
-        assert fr.prefix_sizes(400, 4) == (112, 208, 304, 400)
-        for law in ("bernoulli", "poisson"):
-            plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law)
-            for fk in (None, forced):
-                draw = {
-                    steps: jax.jit(
-                        functools.partial(
-                            fr.sample_edge_keys,
-                            capacity=400,
-                            law=law,
-                            forced_keys=fk,
-                            prefix_steps=steps,
-                        )
+    monkeypatch.setattr(fr, "PREFIX_ALIGN", 16)
+    monkeypatch.setattr(fr, "PREFIX_MIN_CAPACITY", 0)
+    assert fr.prefix_sizes(400, 4) == (112, 208, 304, 400)
+    for law in ("bernoulli", "poisson"):
+        plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law)
+        for fk in (None, forced):
+            draw = {
+                steps: jax.jit(
+                    functools.partial(
+                        fr.sample_edge_keys,
+                        capacity=400,
+                        law=law,
+                        forced_keys=fk,
+                        prefix_steps=steps,
                     )
-                    for steps in (1, 4)
-                }
-                for i, total in enumerate((0, 5, 112, 113, 250, 400, 460)):
-                    key, count = jax.random.PRNGKey(i), jnp.asarray(total, jnp.int32)
-                    want = np.asarray(draw[1](key, plan, count))
-                    got = np.asarray(draw[4](key, plan, count))
-                    np.testing.assert_array_equal(got, want, err_msg=f"{law} {total}")
-                    assert (want != N * M).sum() >= min(total, 5)
-    finally:
-        fr.PREFIX_ALIGN, fr.PREFIX_MIN_CAPACITY = old
+                )
+                for steps in (1, 4)
+            }
+            for i, total in enumerate((0, 5, 112, 113, 250, 400, 460)):
+                key, count = jax.random.PRNGKey(i), jnp.asarray(total, jnp.int32)
+                want = np.asarray(draw[1](key, plan, count))
+                got = np.asarray(draw[4](key, plan, count))
+                np.testing.assert_array_equal(got, want, err_msg=f"{law} {total}")
+                assert (want != N * M).sum() >= min(total, 5)
 
 
 def test_prefix_sizes():
