@@ -590,3 +590,50 @@ def test_edge_probs_straight_through_with_one_edge_list_shared_across_a_mapped_a
         ys, z
     )
     np.testing.assert_array_equal(fwd, jnp.broadcast_to(valid.astype(jnp.float32), (4, 5)))
+
+
+@pytest.mark.parametrize("length", [1, 7, 129, 256, 257, 1000, 4096])
+def test_weight_cdf_is_monotone_flat_on_zero_weights_and_the_prefix_sums(length):
+    """The inverse-CDF searches need prefix sums that never decrease and do not move
+    across a zero weight (a padded key must carry no mass). Reference: float64 cumsum,
+    under jit and nested vmap, weights on either axis."""
+    from sbm_jax.fastrg import weight_cdf
+
+    rng = np.random.default_rng(length)
+    w = (rng.random((2, 3, length, 5)) ** 3).astype(np.float32)
+    w[rng.random(w.shape) < 0.3] = 0.0
+    w[:, :, -length // 4 :] = 0.0  # a padded tail
+    w[0, 0] = 0.0  # a plan without weight
+    for axis in (0, 1):
+        x = w if axis == 0 else np.swapaxes(w, 2, 3)
+        got = np.asarray(jax.jit(jax.vmap(jax.vmap(lambda a, ax=axis: weight_cdf(a, ax))))(x))
+        step = np.diff(got, axis=2 + axis, prepend=0.0)
+        zero = x == 0
+        assert np.all(step >= 0), "a prefix below the one before it"
+        assert np.all(step[zero] == 0), "a zero weight moved the CDF"
+        want = np.cumsum(x.astype(np.float64), axis=2 + axis)
+        total = np.max(want, axis=2 + axis, keepdims=True)
+        assert np.all(np.abs(got - want) <= 1e-6 * total), np.max(np.abs(got - want) / total)
+
+
+def test_plan_gives_padded_keys_and_empty_clusters_no_mass():
+    """A key that is padding has no memberships: its step in every cluster's key CDF
+    must be exactly 0, or fastRG could draw it as an edge. With jnp.cumsum (XLA's
+    blocked rewrite) ~30 padded keys per plan carried up to 7e-8 of their cluster."""
+    rng = np.random.default_rng(3)
+    n = m = 4096
+    k = 128
+    y = jax.nn.sigmoid(jnp.asarray(rng.normal(-2, 1, (n, k)), jnp.float32))
+    z = jax.nn.sigmoid(jnp.asarray(rng.normal(-2, 1, (m, k)), jnp.float32))
+    block = jax.nn.sigmoid(jnp.asarray(rng.normal(-3, 1, (k, k)), jnp.float32))
+    k_mask = np.arange(m) < 3000
+    k_mask[rng.random(m) < 0.1] = False  # padding inside the sequence too
+    plan = _make_plan(y, block, z, q_mask=jnp.asarray(k_mask), k_mask=jnp.asarray(k_mask))
+    zcdf = np.asarray(plan.zcdf)  # [K, m]
+    steps = np.diff(zcdf, axis=1, prepend=0.0)
+    assert np.all(steps[:, ~k_mask] == 0)
+    assert np.all(steps >= 0)
+    # delta = 0: the last cluster (delta's) has no weight in any row's cluster CDF.
+    row_cdf = np.asarray(plan.row_cdf)
+    assert np.all(row_cdf[:, -1] == row_cdf[:, -2])
+    assert np.all(np.diff(row_cdf, axis=1) >= 0)
