@@ -226,19 +226,23 @@ def weight_cdf(w: jax.Array, axis: int) -> jax.Array:
         c = c + x
         return c, c
 
+    # The carries start varying over the manual axes that w varies over (inside
+    # jax.shard_map, lax.scan needs equal carry types on the way in and out).
     if length <= CDF_ONE_PASS:
-        _, out = jax.lax.scan(add, jnp.zeros(w.shape[1:], w.dtype), w)
+        _, out = jax.lax.scan(add, vary_like(jnp.zeros(w.shape[1:], w.dtype), w), w)
         return jnp.moveaxis(out, 0, axis)
     size = math.isqrt(length - 1) + 1
     blocks = -(-length // size)
     w = jnp.pad(w, [(0, blocks * size - length)] + [(0, 0)] * (w.ndim - 1))
     w = w.reshape((blocks, size) + w.shape[1:])
-    _, inner = jax.lax.scan(add, jnp.zeros((blocks,) + w.shape[2:], w.dtype), jnp.swapaxes(w, 0, 1))
+    init = vary_like(jnp.zeros((blocks,) + w.shape[2:], w.dtype), w)
+    _, inner = jax.lax.scan(add, init, jnp.swapaxes(w, 0, 1))
 
     def offset(c, total):
         return c + total, c
 
-    _, offsets = jax.lax.scan(offset, jnp.zeros(w.shape[2:], w.dtype), inner[-1])
+    init = vary_like(jnp.zeros(w.shape[2:], w.dtype), w)
+    _, offsets = jax.lax.scan(offset, init, inner[-1])
     out = jnp.swapaxes(offsets[None] + inner, 0, 1).reshape((blocks * size,) + w.shape[2:])
     return jnp.moveaxis(out[:length], 0, axis)
 
