@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbm_jax import EdgeList, sample_sbm_graph
+from sbm_jax import EdgeList, fastrg, sample_sbm_graph
 from sbm_jax.fastrg import (
     BERNOULLI_MAX_BOUND,
     GUIDE_SPAN,
@@ -592,12 +592,18 @@ def test_edge_probs_straight_through_with_one_edge_list_shared_across_a_mapped_a
     np.testing.assert_array_equal(fwd, jnp.broadcast_to(valid.astype(jnp.float32), (4, 5)))
 
 
+@pytest.mark.parametrize("method", ["scan", "parallel"])
 @pytest.mark.parametrize("length", [1, 7, 129, 256, 257, 1000, 4096])
-def test_weight_cdf_is_monotone_flat_on_zero_weights_and_the_prefix_sums(length):
+def test_weight_cdf_is_monotone_flat_on_zero_weights_and_the_prefix_sums(length, method):
     """The inverse-CDF searches need prefix sums that never decrease and do not move
     across a zero weight (a padded key must carry no mass). Reference: float64 cumsum,
-    under jit and nested vmap, weights on either axis."""
-    from sbm_jax.fastrg import weight_cdf
+    under jit and nested vmap, weights on either axis, both methods (CPU's sequential
+    sums; the accelerators' cumsum with its exact fix-ups)."""
+    from functools import partial
+
+    from sbm_jax.fastrg import weight_cdf as cdf
+
+    weight_cdf = partial(cdf, method=method)
 
     rng = np.random.default_rng(length)
     w = (rng.random((2, 3, length, 5)) ** 3).astype(np.float32)
@@ -616,10 +622,15 @@ def test_weight_cdf_is_monotone_flat_on_zero_weights_and_the_prefix_sums(length)
         assert np.all(np.abs(got - want) <= 1e-6 * total), np.max(np.abs(got - want) / total)
 
 
-def test_plan_gives_padded_keys_and_empty_clusters_no_mass():
+@pytest.mark.parametrize("method", ["scan", "parallel"])
+def test_plan_gives_padded_keys_and_empty_clusters_no_mass(monkeypatch, method):
     """A key that is padding has no memberships: its step in every cluster's key CDF
     must be exactly 0, or fastRG could draw it as an edge. With jnp.cumsum (XLA's
-    blocked rewrite) ~30 padded keys per plan carried up to 7e-8 of their cluster."""
+    blocked rewrite) ~30 padded keys per plan carried up to 7e-8 of their cluster.
+    Both of weight_cdf's methods (the plan uses the backend's: see cdf_method)."""
+    monkeypatch.setattr(fastrg, "cdf_method", lambda: method)
+    # A fresh jit: the module's _make_plan may have traced with the other method.
+    plan_fn = jax.jit(lambda *a, **kw: make_plan(*a, **kw))
     rng = np.random.default_rng(3)
     n = m = 4096
     k = 128
@@ -628,7 +639,7 @@ def test_plan_gives_padded_keys_and_empty_clusters_no_mass():
     block = jax.nn.sigmoid(jnp.asarray(rng.normal(-3, 1, (k, k)), jnp.float32))
     k_mask = np.arange(m) < 3000
     k_mask[rng.random(m) < 0.1] = False  # padding inside the sequence too
-    plan = _make_plan(y, block, z, q_mask=jnp.asarray(k_mask), k_mask=jnp.asarray(k_mask))
+    plan = plan_fn(y, block, z, q_mask=jnp.asarray(k_mask), k_mask=jnp.asarray(k_mask))
     zcdf = np.asarray(plan.zcdf)  # [K, m]
     steps = np.diff(zcdf, axis=1, prepend=0.0)
     assert np.all(steps[:, ~k_mask] == 0)
@@ -637,3 +648,19 @@ def test_plan_gives_padded_keys_and_empty_clusters_no_mass():
     row_cdf = np.asarray(plan.row_cdf)
     assert np.all(row_cdf[:, -1] == row_cdf[:, -2])
     assert np.all(np.diff(row_cdf, axis=1) >= 0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_plan_sums_its_cdfs_without_loops_on_accelerators(monkeypatch, backend):
+    """On a GPU each step of a sequential loop costs a kernel launch and a predicate
+    read back: the plan (built every step, for every head) must not hold one there. On
+    CPU its CDFs are sequential scans (faster there). The jaxpr the plan traces to on
+    each backend, with weights long enough for the blocked scan."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    rng = np.random.default_rng(0)
+    y = jnp.asarray(rng.random((300, 8)), jnp.float32)
+    z = jnp.asarray(rng.random((300, 8)), jnp.float32)
+    block = jnp.asarray(rng.random((8, 8)), jnp.float32) * 0.1
+    jaxpr = str(jax.make_jaxpr(lambda a, b, c: make_plan(a, b, c))(y, block, z))
+    loops = jaxpr.count("scan[") + jaxpr.count("while[")
+    assert loops == (3 if backend == "cpu" else 0), jaxpr

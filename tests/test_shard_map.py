@@ -145,16 +145,20 @@ def test_vary_like_lets_a_loop_start_from_a_constant_inside_shard_map():
     np.testing.assert_array_equal(run(True)[0], np.arange(12.0).reshape(4, 3).sum(0))
 
 
+@pytest.mark.parametrize("method", ["scan", "parallel"])
 @pytest.mark.parametrize("length", [129, 1000])  # one sequential pass; blocks
-def test_weight_cdf_runs_inside_shard_map(length):
-    """fastRG's CDFs are lax.scan loops (one pass, or blocks and their offsets): their
-    carries must vary like the weights, or the SBM layer fails to trace under shard_map.
-    Reference: float64 prefix sums of the same weights."""
+def test_weight_cdf_runs_inside_shard_map(length, method):
+    """fastRG's CDFs on CPU are lax.scan loops (one pass, or blocks and their offsets):
+    their carries must vary like the weights, or the SBM layer fails to trace under
+    shard_map. The accelerators' method too. Reference: float64 prefix sums."""
     from sbm_jax.fastrg import weight_cdf
 
     w = jax.random.uniform(jax.random.PRNGKey(0), (1, length, 3))
     run = jax.shard_map(
-        lambda wl: weight_cdf(wl[0], 0)[None], mesh=_mesh(), in_specs=P(DATA), out_specs=P(DATA)
+        lambda wl: weight_cdf(wl[0], 0, method)[None],
+        mesh=_mesh(),
+        in_specs=P(DATA),
+        out_specs=P(DATA),
     )
     got = np.asarray(jax.jit(run)(w))[0]
     want = np.cumsum(np.asarray(w[0], np.float64), axis=0)
