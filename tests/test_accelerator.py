@@ -114,3 +114,36 @@ def test_streamed_dense_mask_density_at_scale():
     z = (freq.sum(1) - want.sum(1)) / np.sqrt(np.maximum(var, 1e-12))
     assert np.all(np.abs(z[np.asarray(real)]) < 6.0)
     assert abs(np.mean(z[np.asarray(real)])) < 6.0 / np.sqrt(real.sum())
+
+
+def test_plan_cdfs_at_scale_with_the_backends_method():
+    # fastRG's plans as the layer builds them (vmap over 4 graphs), n = m = 4096 with
+    # padding at the end and inside, and weight_cdf's method for this backend (loop-free
+    # on GPU/TPU, sequential scans on CPU): a padded key's step in every cluster's CDF is
+    # exactly 0, every CDF is nondecreasing, and both stay within float32 rounding of
+    # float64 prefix sums of the same weights.
+    from sbm_jax.fastrg import make_plan
+
+    n, k, graphs = 4096, 128, 4
+    rng = np.random.default_rng(5)
+    sig = lambda a: 1.0 / (1.0 + np.exp(-a))  # noqa: E731
+    y = sig(rng.normal(-2, 1, (graphs, n, k))).astype(np.float32)
+    z = sig(rng.normal(-2, 1, (graphs, n, k))).astype(np.float32)
+    block = sig(rng.normal(-3, 1, (graphs, k, k))).astype(np.float32)
+    mask = np.arange(n) < n - 700
+    mask[rng.random(n) < 0.1] = False
+    masks = jnp.asarray(np.broadcast_to(mask, (graphs, n)))
+    plans = jax.jit(jax.vmap(lambda a, b, c, qm, km: make_plan(a, b, c, q_mask=qm, k_mask=km)))(
+        y, block, z, masks, masks
+    )
+    zcdf = np.asarray(plans.zcdf)  # [graphs, K, m]
+    steps = np.diff(zcdf, axis=2, prepend=0.0)
+    assert np.all(steps >= 0)
+    assert np.all(steps[:, :, ~mask] == 0)
+    want = np.cumsum((z * mask[None, :, None]).astype(np.float64), axis=1)  # [graphs, m, k]
+    want = np.swapaxes(want, 1, 2)
+    scale = want[:, :, -1:]
+    assert np.all(np.abs(zcdf[:, :k] - want) <= 1e-6 * scale)
+    row_cdf = np.asarray(plans.row_cdf)  # [graphs, n, K]
+    assert np.all(np.diff(row_cdf, axis=2) >= 0)
+    assert np.all(row_cdf[:, ~mask] == 0)
