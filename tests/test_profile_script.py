@@ -71,6 +71,33 @@ def test_operations_are_summed_by_part_and_direction(prof):
     assert [op["ms"] for op in report["top_ops"]] == pytest.approx([3.0, 2.0, 2.0])
 
 
+_CHAIN = """ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %copy.1 = f32[4]{0} copy(%p)
+  %dot.2 = f32[4,1]{1,0} dot(%copy.1, %p), lhs_batch_dims={0}, rhs_batch_dims={0}
+  %fusion.3 = f32[4]{0} fusion(%dot.2, %p), kind=kLoop, calls=%fused.1, metadata={op_name="jit(loss)/transpose(jvp(SBMAttention))/sbm_edge_kernel/while/body/exp" stack_frame_id=3}
+  %copy.4 = f32[4]{0} copy(%p)
+  ROOT %add.5 = f32[4]{0} add(%fusion.3, %p), metadata={op_name="jit(loss)/jvp(SBMAttention)/out/add"}
+}
+"""  # noqa: E501
+
+
+def test_operations_without_metadata_take_their_users_names(prof):
+    # XLA drops the metadata on some instructions it creates (the rows kernel's batched
+    # einsum dots): they count with the first user that has a name, through chains of
+    # unnamed ones, so the kernel's backward dots land in the kernel's backward.
+    table = prof.hlo_op_names(_CHAIN)
+    kernel = "jit(loss)/transpose(jvp(SBMAttention))/sbm_edge_kernel/while/body/exp"
+    assert table["dot.2"] == ("dot", kernel)
+    assert table["copy.1"] == ("copy", kernel)  # its user (dot.2) had none either
+    assert table["copy.4"] == ("copy", "")  # no user: still unattributed
+    assert table["add.5"] == ("add", "jit(loss)/jvp(SBMAttention)/out/add")
+    report = prof.summarize([_event("dot.2", 2000.0), _event("copy.4", 1000.0)], table, 1)
+    parts = {row["part"]: row for row in report["parts"]}
+    assert parts[EDGE_KERNEL]["backward_ms"] == pytest.approx(2.0)
+    assert parts[prof.UNATTRIBUTED]["forward_ms"] == pytest.approx(1.0)
+
+
 @pytest.mark.slow
 def test_the_sparse_layer_profile_has_each_sparse_part(prof, tmp_path, capsys):
     out = tmp_path / "prof.json"
