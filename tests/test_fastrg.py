@@ -599,11 +599,7 @@ def test_weight_cdf_is_monotone_flat_on_zero_weights_and_the_prefix_sums(length,
     across a zero weight (a padded key must carry no mass). Reference: float64 cumsum,
     under jit and nested vmap, weights on either axis, both methods (CPU's sequential
     sums; the accelerators' cumsum with its exact fix-ups)."""
-    from functools import partial
-
-    from sbm_jax.fastrg import weight_cdf as cdf
-
-    weight_cdf = partial(cdf, method=method)
+    weight_cdf = functools.partial(fastrg.weight_cdf, method=method)
 
     rng = np.random.default_rng(length)
     w = (rng.random((2, 3, length, 5)) ** 3).astype(np.float32)
