@@ -134,14 +134,50 @@ def measure(
         return info
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t)
-    info["median_s"] = statistics.median(times)
-    info["times_s"] = [round(t, 6) for t in times]
+    calls = [timed_call(compiled, args) for _ in range(repeats)]
+    info.update(call_summary(calls))
     return info
+
+
+def _usage() -> tuple[int, float] | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform (Windows): no fault counts
+        return None
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_stime
+
+
+def timed_call(compiled: Any, args: Sequence[Any]) -> dict[str, float]:
+    """One call of ``compiled``: wall seconds, and where the platform reports them the
+    process's minor page faults and system CPU seconds during the call.
+
+    On CPU, XLA allocates a program's temp buffer on every call; above glibc's mmap
+    threshold (32 MiB at most) the allocation is a fresh mapping, so every page the
+    program touches faults again, every call (see docs/benchmarks.md).
+    """
+    before = _usage()
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    call = {"s": time.perf_counter() - t}
+    after = _usage()
+    if before is not None and after is not None:
+        call["faults"] = after[0] - before[0]
+        call["sys_s"] = after[1] - before[1]
+    return call
+
+
+def call_summary(calls: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Median wall time (and page faults, system CPU time) of timed calls."""
+    times = [c["s"] for c in calls]
+    out: dict[str, Any] = {
+        "median_s": statistics.median(times),
+        "times_s": [round(t, 6) for t in times],
+    }
+    if calls and all("faults" in c for c in calls):
+        out["faults_per_call"] = statistics.median(c["faults"] for c in calls)
+        out["sys_s_per_call"] = statistics.median(c["sys_s"] for c in calls)
+    return out
 
 
 def measure_interleaved(
@@ -167,15 +203,13 @@ def measure_interleaved(
     for _ in range(warmup):
         for i in live:
             jax.block_until_ready(compiled[i](*workloads[i][1]))
-    times: dict[int, list[float]] = {i: [] for i in live}
+    calls: dict[int, list[dict[str, float]]] = {i: [] for i in live}
     for _ in range(repeats):
         for i in live:
-            t = time.perf_counter()
-            jax.block_until_ready(compiled[i](*workloads[i][1]))
-            times[i].append(time.perf_counter() - t)
+            calls[i].append(timed_call(compiled[i], workloads[i][1]))
+    times = {i: [c["s"] for c in calls[i]] for i in live}
     for i in live:
-        infos[i]["median_s"] = statistics.median(times[i])
-        infos[i]["times_s"] = [round(t, 6) for t in times[i]]
+        infos[i].update(call_summary(calls[i]))
         if live and live[0] == 0 and i != 0:
             rounds = [a / b for a, b in zip(times[i], times[0], strict=True)]
             infos[i]["round_ratios"] = [round(x, 4) for x in rounds]
@@ -885,6 +919,12 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             )
             if "median_round_ratio" in r:
                 row["note"] += f"; median of per-round ratios {r['median_round_ratio']:.3f}"
+        if r["section"] == "layer" and "faults_per_call" in r:
+            faults = (
+                f"{r['faults_per_call']:.0f} page faults and "
+                f"{r['sys_s_per_call'] * 1e3:.0f} ms system CPU per call"
+            )
+            row["note"] = f"{row['note']}; {faults}" if row.get("note") else faults
         if r["section"] == "sample" and "median_round_ratio" in r:
             row["note"] = (
                 "timed in alternation with the rows core at 5% "

@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tests.scripts_testing import load_script
@@ -126,3 +128,30 @@ def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, 
     md = tmp_path / "b.md"
     bench.main(["--from-json", str(out), "--markdown", str(md)])
     assert "`SBMAttention` with the module's defaults but `ste='pairs'`" in md.read_text()
+
+
+def test_layer_rows_report_page_faults_and_system_time(bench):
+    # A real call: the counters come from getrusage around it (Linux here).
+    exe = jax.jit(lambda x: jnp.sort(x) * 2.0).lower(jnp.zeros(4096)).compile()
+    call = bench.timed_call(exe, (jnp.arange(4096.0),))
+    assert call["s"] > 0 and call["faults"] >= 0 and call["sys_s"] >= 0
+    summary = bench.call_summary(
+        [{"s": 0.3, "faults": 10, "sys_s": 0.02}, {"s": 0.1, "faults": 30, "sys_s": 0.01},
+         {"s": 0.2, "faults": 20, "sys_s": 0.03}]
+    )  # fmt: skip
+    assert summary["median_s"] == pytest.approx(0.2) and summary["faults_per_call"] == 20
+    assert summary["sys_s_per_call"] == pytest.approx(0.02)
+    assert "faults_per_call" not in bench.call_summary([{"s": 0.1}])  # no counters: none
+    rec = dict(section="layer", n=1024, density=0.05)
+    report = {
+        "results": [
+            {**rec, "kind": "full", "median_s": 0.07, "faults_per_call": 16905.0,
+             "sys_s_per_call": 0.040},
+            {**rec, "kind": "sbm", "median_s": 0.1, "path": 1, "sampled_density": 0.05,
+             "faults_per_call": 11622.0, "sys_s_per_call": 0.024, "median_round_ratio": 1.46},
+        ]
+    }  # fmt: skip
+    full, sbm = bench.ratio_rows(report)
+    assert full["note"] == "16905 page faults and 40 ms system CPU per call"
+    assert sbm["note"].startswith("path 1 (bucket), sampled density 0.050; median of per-round")
+    assert sbm["note"].endswith("; 11622 page faults and 24 ms system CPU per call")
