@@ -58,6 +58,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+try:
+    import resource  # page faults, system time and peak RSS of this process
+except ImportError:  # not on this platform (Windows): those figures are left out
+    resource = None
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -140,9 +145,7 @@ def measure(
 
 
 def _usage() -> tuple[int, float] | None:
-    try:
-        import resource
-    except ImportError:  # not on this platform (Windows): no fault counts
+    if resource is None:
         return None
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_minflt, r.ru_stime
@@ -633,11 +636,11 @@ def _option(item: str) -> tuple[str, Any]:
 
 
 def _peak_rss_gib() -> float | None:
+    if resource is None:
+        return None
     try:
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    except (ImportError, AttributeError):
+    except AttributeError:
         return None
 
 
