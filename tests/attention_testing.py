@@ -69,6 +69,11 @@ def init(module, x, mask):
     )(x, mask)
 
 
+def jit_apply(module, params, x, mask):
+    """``module.apply(params, x, mask, deterministic=True)`` as one compiled program."""
+    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
+
+
 # ---------------------------------------------------------------------------------------
 # Numpy references.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from tests.attention_testing import (
     dense_out,
     dense_qkv,
     init,
+    jit_apply,
     make_inputs,
     module_grads_with_fully_padded_row,
 )
@@ -27,17 +26,6 @@ from tests.attention_testing import (
 
 def make_module(**options):
     return build_module("linear", **options)
-
-
-def jit_init(module, x, mask):
-    """attention_testing.init (key(1), deterministic, unboxed) as one compiled program."""
-    init = jax.jit(lambda x, m: module.init(jax.random.key(1), x, m, deterministic=True))
-    return nn.unbox(init(x, mask))
-
-
-def jit_apply(module, params, x, mask):
-    """module.apply(params, x, mask, deterministic=True) as one compiled program."""
-    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
 
 
 def elu_plus_one(x):
@@ -48,7 +36,7 @@ def test_registered_and_shapes():
     assert get_attention("linear") is LinearAttention
     module = make_module()
     x, mask = make_inputs()
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y = jit_apply(module, params, x, mask)
     assert y.shape == (B, N, OUT)
     assert y.dtype == jnp.float32
@@ -57,7 +45,7 @@ def test_registered_and_shapes():
 def test_matches_dense_kernel_formula():
     module = make_module()
     x, mask = make_inputs()
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y = jit_apply(module, params, x, mask)
 
     q, k, v = dense_qkv(params, x)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +24,7 @@ from tests.attention_testing import (
     dense_out,
     dense_qkv,
     init,
+    jit_apply,
     make_inputs,
     module_grads_with_fully_padded_row,
     softmax,
@@ -38,25 +38,14 @@ def make_module(**options):
     return build_module("nystromformer", **options)
 
 
-def jit_init(module, x, mask):
-    """attention_testing.init (key(1), deterministic, unboxed) as one compiled program."""
-    init = jax.jit(lambda x, m: module.init(jax.random.key(1), x, m, deterministic=True))
-    return nn.unbox(init(x, mask))
-
-
-def jit_apply(module, params, x, mask):
-    """module.apply(params, x, mask, deterministic=True) as one compiled program."""
-    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
-
-
 def test_registered_and_shapes():
     assert get_attention("nystromformer") is NystromformerAttention
     module = make_module()
     x, mask = make_inputs()
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     assert jit_apply(module, params, x, mask).shape == (B, N, OUT)
     assert params["params"]["value_conv"]["kernel"].shape == (3, 1, 1, HEADS)
-    no_conv = jit_init(make_module(conv_kernel_size=0), x, mask)
+    no_conv = init(make_module(conv_kernel_size=0), x, mask)
     assert "value_conv" not in no_conv["params"]
     defaults = NystromformerAttention(num_heads=1, head_dim=1, out_dim=1)
     assert (defaults.num_landmarks, defaults.pinv_iterations, defaults.conv_kernel_size) == (
@@ -102,7 +91,7 @@ def test_landmarks_equal_length_is_exact_softmax_attention():
     # A pinv(A) A V = A V (enough pseudo-inverse iterations; no convolution).
     module = make_module(num_landmarks=N, conv_kernel_size=0, pinv_iterations=30)
     x, mask = make_inputs(scale=2.0)
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y = np.asarray(jit_apply(module, params, x, mask))
 
     q, k, v = dense_qkv(params, x)
@@ -140,7 +129,7 @@ def test_fewer_landmarks_match_dense_nystrom_reference():
     n = 10
     module = make_module(num_landmarks=4, conv_kernel_size=0, pinv_iterations=40)
     x, mask = make_inputs(length=n, scale=2.0)
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y = np.asarray(jit_apply(module, params, x, mask))
     q, k, v = dense_qkv(params, x)
     expected = dense_out(params, dense_nystrom(q, k, v, np.asarray(mask), 4))
@@ -158,7 +147,7 @@ def test_value_convolution_skip_matches_numpy():
     with_conv = make_module(conv_kernel_size=size)
     without = make_module(conv_kernel_size=0)
     x, mask = make_inputs()
-    params = jit_init(with_conv, x, mask)
+    params = init(with_conv, x, mask)
     inner = dict(params["params"])
     kernel = np.asarray(inner.pop("value_conv")["kernel"], np.float64)[:, 0, 0, :]  # [k, H]
     diff = np.asarray(jit_apply(with_conv, params, x, mask)) - np.asarray(

@@ -23,6 +23,7 @@ from tests.attention_testing import (
     dense_out,
     dense_qkv,
     init,
+    jit_apply,
     make_inputs,
     module_grads_with_fully_padded_row,
     softmax_attention,
@@ -32,17 +33,6 @@ from tests.attention_testing import (
 def make_module(**options):
     options.setdefault("num_features", 16)
     return build_module("performer", **options)
-
-
-def jit_init(module, x, mask):
-    """attention_testing.init (key(1), deterministic, unboxed) as one compiled program."""
-    init = jax.jit(lambda x, m: module.init(jax.random.key(1), x, m, deterministic=True))
-    return nn.unbox(init(x, mask))
-
-
-def jit_apply(module, params, x, mask):
-    """module.apply(params, x, mask, deterministic=True) as one compiled program."""
-    return jax.jit(lambda p, x, m: module.apply(p, x, m, deterministic=True))(params, x, mask)
 
 
 def kernel_attention(phi_q, phi_k, v, mask):
@@ -78,7 +68,7 @@ def test_registered_and_shapes():
     x, mask = make_inputs()
     for kernel in ("relu", "softmax"):
         module = make_module(kernel=kernel)
-        params = jit_init(module, x, mask)
+        params = init(module, x, mask)
         assert jit_apply(module, params, x, mask).shape == (B, N, OUT)
     assert make_module().num_features == 16
     assert PerformerAttention.num_features == 256  # the paper's setting by default
@@ -112,7 +102,7 @@ def test_relu_kernel_matches_explicit_formula():
     eps = 1e-4
     module = make_module(kernel="relu", kernel_epsilon=eps)
     x, mask = make_inputs()
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y, w = apply_with_features(module, params, x, mask)
 
     q, k, v = dense_qkv(params, x)
@@ -127,7 +117,7 @@ def test_softmax_kernel_matches_explicit_formula():
     # eps = 0: the stabilising shifts must cancel exactly against the unshifted formula.
     module = make_module(kernel="softmax", kernel_epsilon=0.0)
     x, mask = make_inputs()
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     y, w = apply_with_features(module, params, x, mask)
 
     q, k, v = dense_qkv(params, x)
@@ -147,7 +137,7 @@ def test_softmax_kernel_approximates_softmax_attention():
     errors = {}
     for m in (16, 8192):
         module = make_module(kernel="softmax", kernel_epsilon=0.0, num_features=m)
-        params = jit_init(module, x, mask)
+        params = init(module, x, mask)
         q, k, v = dense_qkv(params, x)
         exact = softmax_attention(q, k, v, mask)
         real = np.asarray(mask)
@@ -177,7 +167,7 @@ def test_softmax_kernel_approximates_softmax_attention():
 def test_redraw_uses_sample_stream_else_fixed_features():
     x, mask = make_inputs()
     module = make_module(redraw=True)
-    params = jit_init(module, x, mask)
+    params = init(module, x, mask)
     fixed_module = make_module(redraw=False)
     # One compiled program per module (and per rngs structure), reused across keys.
     jitted = {
