@@ -14,8 +14,10 @@ from sbm_jax.attention import STATS_COLLECTION
 Array = jax.Array
 
 
-def _per_module(collection: Mapping[str, Any], stat: str) -> dict[str, Array]:
-    """{module path: sown values concatenated over calls, [calls * batch, heads]}."""
+def sown_per_module(collection: Mapping[str, Any], stat: str) -> dict[str, Array]:
+    """{module path: sown ``stat`` concatenated over calls, ``[calls * batch, heads]``}.
+
+    ``collection``: the sown statistics (``variables[STATS_COLLECTION]``)."""
     flat = traverse_util.flatten_dict(dict(collection))
     out = {}
     for path, values in sorted(flat.items()):
@@ -47,12 +49,12 @@ def collect_attention_stats(variables: Mapping[str, Any]) -> dict[str, Any]:
     collection = variables.get(STATS_COLLECTION, {})
     stats: dict[str, Any] = {}
     for stat in ("density", "edges"):
-        per_module = _per_module(collection, stat)
+        per_module = sown_per_module(collection, stat)
         if not per_module:
             continue
         stats[stat] = jnp.mean(jnp.stack([jnp.mean(v) for v in per_module.values()]))
         stats[f"{stat}_per_head"] = {k: jnp.mean(v, axis=0) for k, v in per_module.items()}
-    overflow = _per_module(collection, "overflow")
+    overflow = sown_per_module(collection, "overflow")
     if overflow:
         counts = {k: jnp.sum(v > 0).astype(jnp.float32) for k, v in overflow.items()}
         stats["overflow"] = jnp.sum(jnp.stack(list(counts.values())))

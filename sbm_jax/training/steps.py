@@ -8,20 +8,19 @@ the state alone fixes every later step and a resumed run repeats an uninterrupte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sbm_jax.attention import STATS_COLLECTION
 from sbm_jax.training.sharding import DATA_AXIS, StateShardedJit
 from sbm_jax.training.state import TrainState
-from sbm_jax.training.stats import collect_attention_stats
+from sbm_jax.training.stats import collect_attention_stats, sown_per_module
 from sbm_jax.training.task import Batch, Task
 
 Array = jax.Array
@@ -258,20 +257,6 @@ def make_eval_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array
     )
 
 
-def _per_example_stat(mutables: Mapping[str, Any], stat: str) -> dict[str, Array]:
-    """{module path: sown ``stat`` [calls * batch, heads]} from the statistics."""
-    flat = traverse_util.flatten_dict(dict(mutables.get(STATS_COLLECTION, {})))
-    out = {}
-    for path, values in sorted(flat.items()):
-        if path[-1] != stat:
-            continue
-        values = values if isinstance(values, tuple) else (values,)
-        out["/".join(str(p) for p in path[:-1])] = jnp.concatenate(
-            [jnp.asarray(v, jnp.float32).reshape(-1, v.shape[-1]) for v in values], axis=0
-        )
-    return out
-
-
 def _example_weights(batch: Batch, leading: int) -> Array:
     """float32 [batch]: ``example_mask`` (1 for real rows), all ones when absent."""
     example = batch.get("example_mask")
@@ -307,8 +292,9 @@ def make_detailed_eval_step(
         }
         leading = next(iter(jax.tree.leaves(batch))).shape[0]
         example = _example_weights(batch, leading)
+        sown = mutables.get(STATS_COLLECTION, {})
         density = {}
-        for path, values in _per_example_stat(mutables, "density").items():
+        for path, values in sown_per_module(sown, "density").items():
             rows = values.shape[0] // leading  # calls per example (2 for dual encoders)
             w = jnp.tile(example, rows)[:, None]
             density[path] = {
@@ -318,7 +304,7 @@ def make_detailed_eval_step(
             }
         out["density"] = density
         overflow = {}
-        for path, values in _per_example_stat(mutables, "overflow").items():
+        for path, values in sown_per_module(sown, "overflow").items():
             rows = values.shape[0] // leading
             overflow[path] = jnp.sum((values > 0) * jnp.tile(example, rows)[:, None])
         out["overflow"] = overflow
