@@ -35,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._loops import shared_trip_count
 from sbm_jax._pytree import PyTreeDataclass
 from sbm_jax._random import uniform
 from sbm_jax._scopes import PLAN, SAMPLE, STE_BACKWARD, scoped
@@ -503,7 +504,10 @@ def _chunked(
     :data:`EDGE_PROB_CHUNK`, for ``[chunk, k]`` gathers; :data:`SEARCH_CHUNK` for the
     searches) keep the per-slot temporaries (search bounds, gathered rows) in cache.
     ``count`` (traced): only the first ``count`` slots are needed; the chunks past them
-    are skipped (a loop with a dynamic trip count) and those slots hold ``fill``.
+    are skipped (a loop with a dynamic trip count) and those slots hold ``fill``. Under
+    ``vmap`` the loop runs to the largest count over the graphs
+    (:func:`~sbm_jax._loops.shared_trip_count`), so slots past a graph's own ``count``
+    may hold ``fn``'s values instead: callers read only the first ``count``.
     """
     chunk = EDGE_PROB_CHUNK if chunk is None else chunk
     size = arrays[0].shape[0]
@@ -523,7 +527,7 @@ def _chunked(
         return jax.lax.dynamic_update_slice(out, fn(*part), (i * chunk,))
 
     live = (jnp.minimum(jnp.asarray(count, jnp.int32), size) + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, live, step, out)[:size]
+    return jax.lax.fori_loop(0, shared_trip_count(live), step, out)[:size]
 
 
 def edge_probs(
@@ -604,9 +608,10 @@ def _probs_ste_bwd(res, g):
     cols, g = (jnp.pad(a, (0, pad)) for a in (cols, g))
     # Only the chunks up to the last valid slot hold edges (valid slots come first in the
     # sampler's layout, but any layout is handled): the loop stops there, so the work
-    # follows the edges, not the capacity.
+    # follows the edges, not the capacity. Under vmap it stops at the largest over the
+    # graphs: a graph's chunks past its own last edge have zero cotangents.
     last = jnp.max(jnp.where(jnp.pad(valid, (0, pad)), jnp.arange(size + pad), -1))
-    live_chunks = (last + chunk) // chunk
+    live_chunks = shared_trip_count((last + chunk) // chunk)
 
     def step(i, carry):
         dys, dz = carry

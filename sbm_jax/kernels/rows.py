@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._loops import shared_trip_count
 from sbm_jax._random import bernoulli
 from sbm_jax._scopes import EDGE_KERNEL, scoped
 from sbm_jax._varying import vary_like
@@ -157,10 +158,13 @@ def _local_rows(row_b: jax.Array, vb: int):
 
 def _live_blocks(blocks: RowBlocks, vb: int) -> jax.Array:
     """Number of leading blocks that hold a valid slot (the rest add nothing): the loops
-    run over these only, so the work follows the sampled edges, not the capacity."""
+    run over these only, so the work follows the sampled edges, not the capacity. Under
+    ``vmap``, the largest over the graphs (:func:`~sbm_jax._loops.shared_trip_count`): a
+    block past a graph's own live ones has only zero-length virtual rows, which change
+    no carry."""
     vidx = jnp.arange(blocks.length.shape[0], dtype=jnp.int32)
     last = jnp.max(jnp.where(blocks.length > 0, vidx, -1))
-    return (last + vb) // vb
+    return shared_trip_count((last + vb) // vb)
 
 
 def _for_blocks(blocks: RowBlocks, vb: int, body, init, reads=()):
