@@ -169,3 +169,33 @@ def test_sampler_under_vmap_draws_what_each_graph_draws_alone(monkeypatch):
     for got, want in zip(batched, alone, strict=True):
         np.testing.assert_array_equal(got, want)
     assert len({int(np.sum(np.asarray(a) != n * m)) for a in alone}) == 3
+
+
+def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
+    # The whole SBM layer under grad, its graphs in one vmap as on GPU and TPU. Only the
+    # inverse-CDF bisections may loop "until every graph is done" (their cond reduces a
+    # batched predicate with reduce_or); a loop counting blocks or chunks must not.
+    import sbm_jax.attention.sbm as sbm_mod
+    from sbm_jax.attention import get_attention
+
+    monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: None)
+    sbm_mod._sbm_attention_core.clear_cache()  # no trace from before the patch
+    try:
+        layer = get_attention("sbm")(num_heads=2, head_dim=8, num_clusters=4, impl="sparse")
+        x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 16))
+        rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
+        params = layer.init(rngs, x)["params"]
+
+        def loss(params, x):
+            out = layer.apply({"params": params}, x, rngs={"sample": jax.random.PRNGKey(3)})
+            return jnp.sum(out)
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x).jaxpr
+    finally:
+        sbm_mod._sbm_attention_core.clear_cache()
+    conds = _while_conds(jaxpr)
+    counting = [c for c in conds if "reduce_or" not in {e.primitive.name for e in c.eqns}]
+    assert len(counting) >= 4, "the kernel, STE and sampler loops are there"
+    for cond in counting:
+        (pred,) = cond.outvars
+        assert pred.aval.shape == (), f"a counting loop's predicate is batched: {pred.aval}"
