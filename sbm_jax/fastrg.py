@@ -58,10 +58,11 @@ class SamplingPlan(PyTreeDataclass):
     y: jax.Array  # [n, K] masked query memberships, last column = q_mask (delta cluster)
     z: jax.Array  # [m, K] masked key memberships, last column = k_mask
     ys: jax.Array  # [n, k] Y S: per-edge probability is ys[i] . z[j, :k]
-    zcdf: jax.Array  # [K, m] per-cluster cumulative membership of keys
-    zguide: jax.Array  # [K, G + 1] int32: first key j with zcdf[v, j] > t * total_v / G
-    row_cdf: jax.Array  # [n, K] per-row cumulative weights of the key clusters
-    row_guide: jax.Array  # [n, G' + 1] int32: guide table of row_cdf (ROW_GUIDE_SPAN)
+    # The search tables (None in a plan made with ``tables=False``; see :func:`with_tables`):
+    zcdf: jax.Array | None  # [K, m] per-cluster cumulative membership of keys
+    zguide: jax.Array | None  # [K, G + 1] int32: first key j with zcdf[v, j] > t * total_v / G
+    row_cdf: jax.Array | None  # [n, K] per-row cumulative weights of the key clusters
+    row_guide: jax.Array | None  # [n, G' + 1] int32: guide table of row_cdf (ROW_GUIDE_SPAN)
     row_rate: jax.Array  # [n] mean draws of row i: c_i sum_j (p_ij + delta)
     expected_edges: jax.Array  # [] sum of (p + delta) over all pairs
     expected_draws: jax.Array  # [] mean Poisson draw count: sum of c_i (p_ij + delta)
@@ -88,8 +89,17 @@ def make_plan(
     q_mask: jax.Array | None = None,
     k_mask: jax.Array | None = None,
     law: str = "bernoulli",
+    tables: bool = True,
 ) -> SamplingPlan:
-    """Precompute fastRG's CDFs and rates. Costs O(nk + k^2) (plus O(nk^2) for Y S)."""
+    """Precompute fastRG's CDFs and rates. Costs O(nk + k^2) (plus O(nk^2) for Y S).
+
+    ``tables=False`` leaves out the search tables (``zcdf``, ``zguide``, ``row_cdf``,
+    ``row_guide``, four ``[n, K]``-sized arrays): the rates, bound and memberships are
+    all that the draw counts and the path choice need, and :func:`with_tables` adds the
+    tables later, where the graph is sampled. The layer builds its plans for every
+    (example, head) at once but samples the graphs one at a time on CPU, so the tables
+    then exist for one graph at a time.
+    """
     check_law(law)
     n, k = q_memberships.shape
     m = k_memberships.shape[0]
@@ -117,27 +127,18 @@ def make_plan(
     else:
         bound = jnp.asarray(0.0, f32)
         oversample = jnp.ones((n,), f32)
-    zcdf = weight_cdf(sg(z), axis=0).T
-    zsum = zcdf[:, -1]
-    zguide = _guide_table(zcdf)
-    # Row i draws key cluster v with weight (Y Sbar)_iv * sum_j z_jv and, inside it,
-    # key j with weight z_jv: in all, pair (i, j) gets (Y Sbar Z^T)_ij = p_ij + delta.
-    # Sbar is S with delta appended on the diagonal, so Y Sbar = [Y S, q_mask * delta]:
-    # no second [n, K] x [K, K] product.
-    y_sbar = jnp.concatenate([sg(ys), (q_mask * sg(delta))[:, None].astype(f32)], axis=1)
-    row_weights = y_sbar * zsum[None, :]
-    row_cdf = weight_cdf(row_weights, axis=1)
-    row_rate = oversample * row_cdf[:, -1]
-    expected = jnp.sum(row_cdf[:, -1])
+    row_total = jnp.sum(_row_weights(ys, z, delta, q_mask), axis=1)
+    row_rate = oversample * row_total
+    expected = jnp.sum(row_total)
 
-    return SamplingPlan(
+    plan = SamplingPlan(
         y=y,
         z=z,
         ys=ys,
-        zcdf=zcdf,
-        zguide=zguide,
-        row_cdf=row_cdf,
-        row_guide=_guide_table(row_cdf, ROW_GUIDE_SPAN),
+        zcdf=None,
+        zguide=None,
+        row_cdf=None,
+        row_guide=None,
         row_rate=row_rate,
         expected_edges=expected,
         expected_draws=jnp.sum(row_rate),
@@ -146,6 +147,40 @@ def make_plan(
         delta=delta,
         q_mask=q_mask,
         k_mask=k_mask,
+    )
+    return with_tables(plan) if tables else plan
+
+
+def _row_weights(ys: jax.Array, z: jax.Array, delta: jax.Array, q_mask: jax.Array) -> jax.Array:
+    """``[n, K]``: row ``i`` draws key cluster ``v`` with weight ``(Y Sbar)_iv sum_j z_jv``
+    and, inside it, key ``j`` with weight ``z_jv``: in all, pair ``(i, j)`` gets
+    ``(Y Sbar Z^T)_ij = p_ij + delta``. ``Sbar`` is ``S`` with ``delta`` appended on the
+    diagonal, so ``Y Sbar = [Y S, q_mask * delta]``: no second ``[n, K] x [K, K]``
+    product. The draws are discrete: no gradient flows through the weights."""
+    sg = jax.lax.stop_gradient
+    f32 = jnp.float32
+    y_sbar = jnp.concatenate([sg(ys), (q_mask * sg(delta))[:, None].astype(f32)], axis=1)
+    return y_sbar * jnp.sum(sg(z), axis=0)[None, :]
+
+
+@scoped(PLAN)
+def with_tables(plan: SamplingPlan) -> SamplingPlan:
+    """``plan`` with its search tables (per-cluster key CDFs, per-row cluster CDFs and
+    their guide tables), built if :func:`make_plan` left them out (``tables=False``).
+
+    The row CDFs' totals equal :attr:`SamplingPlan.row_rate` over the oversampling up to
+    rounding (sums in another order): each search normalises by its own table's total,
+    so the law is that of the weights either way.
+    """
+    if plan.zcdf is not None and plan.row_cdf is not None:
+        return plan
+    zcdf = weight_cdf(jax.lax.stop_gradient(plan.z), axis=0).T
+    row_cdf = weight_cdf(_row_weights(plan.ys, plan.z, plan.delta, plan.q_mask), axis=1)
+    return plan.replace(
+        zcdf=zcdf,
+        zguide=_guide_table(zcdf),
+        row_cdf=row_cdf,
+        row_guide=_guide_table(row_cdf, ROW_GUIDE_SPAN),
     )
 
 
@@ -851,6 +886,7 @@ def sample_edge_keys(
     """
     n, m = plan.y.shape[0], plan.z.shape[0]
     _check_size(n, m)
+    plan = with_tables(plan)
     sentinel = n * m
     k_split, k_cluster, k_col, k_keep = jax.random.split(key, 4)
     count = jnp.asarray(count)

@@ -322,6 +322,41 @@ def test_sample_edge_keys_are_the_sampler_layout():
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
 
 
+def test_plan_without_tables_samples_the_same_keys_as_the_full_plan():
+    # make_plan(tables=False) leaves out the four search tables (the layer builds them per
+    # graph, inside its head loop): the rates are those of the full plan, with_tables
+    # builds the full plan's tables bit for bit, and the sampler, given the light plan,
+    # draws the full plan's keys.
+    from sbm_jax.fastrg import sample_edge_keys, with_tables
+
+    q, s, k = _sbm(0.8)
+    tables = ("zcdf", "zguide", "row_cdf", "row_guide")
+    light_plan = jax.jit(make_plan, static_argnames=("law", "tables"))
+    for law in ("bernoulli", "poisson"):
+        full = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law)
+        light = light_plan(
+            q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law, tables=False
+        )
+        assert all(getattr(light, t) is None for t in tables)
+        for name in ("row_rate", "expected_draws", "oversample", "bound", "ys", "z"):
+            np.testing.assert_array_equal(getattr(light, name), getattr(full, name), err_msg=name)
+        # The row CDFs end at the rates' totals (up to the order of the sums).
+        np.testing.assert_allclose(
+            np.asarray(full.row_cdf)[:, -1] * np.asarray(full.oversample),
+            full.row_rate,
+            rtol=1e-6,
+        )
+        built = jax.jit(with_tables)(light)
+        for t in tables:
+            np.testing.assert_array_equal(getattr(built, t), getattr(full, t), err_msg=t)
+        draw = jax.jit(functools.partial(sample_edge_keys, capacity=200, law=law))
+        for i in range(3):
+            key, count = jax.random.PRNGKey(10 + i), jnp.asarray(120, jnp.int32)
+            want = np.asarray(draw(key, full, count))
+            np.testing.assert_array_equal(np.asarray(draw(key, light, count)), want)
+            assert (want != N * M).sum() > 50
+
+
 def test_prefix_steps_give_the_same_keys_bit_for_bit(monkeypatch):
     # The work after the draw on the smallest static prefix of the slots that holds every
     # draw (a lax.switch): the same keys as on all the slots, for totals below, on and

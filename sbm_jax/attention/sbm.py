@@ -466,7 +466,12 @@ def _sbm_attention_core(
     )
 
     def plan_one(qm, blk, km, qmask, kmask):
-        return make_plan(qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law)
+        # No search tables here: each sparse head builds its own graph's (with_tables),
+        # so that on CPU, where the heads run one at a time, they exist for one graph at
+        # a time, not for all B*H of them across the sampling.
+        return make_plan(
+            qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law, tables=False
+        )
 
     # The block matrix broadcast over the batch, as in the layer: Y S is then a product
     # batched over (b, h) on both sides, with no transpose of Y around it.
