@@ -58,10 +58,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax._random import bernoulli, uniform
 from sbm_jax._scopes import DENSE_PATH, scoped
 from sbm_jax._varying import vary_like
+from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.ste import check_ste
 
 #: Elements of one ``bq x m`` tile the block size aims at (``bq`` rows of all keys).
@@ -211,6 +213,10 @@ def _streamed(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
 
 def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
     out, lse, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask)
+    # Tagged as the edge kernels tag theirs: under a jax.checkpoint that keeps these names
+    # (the layer's branch policy) the backward pass does not run the forward again.
+    out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
+    out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
     res = (q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse)
     return (out.astype(v.dtype), count.astype(jnp.float32)), res
 
