@@ -868,7 +868,9 @@ def sample_edge_keys(
     multinomial) or per row (``[n]``, :func:`draw_row_counts`). Valid keys come first,
     sorted and unique; empty slots hold the sentinel ``n * m``. No gradient flows through
     the keys (the draw is discrete); :func:`edges_from_keys` turns them into an
-    :class:`EdgeList`. See :func:`sample_from_plan` for the other arguments.
+    :class:`EdgeList`. See :func:`sample_from_plan` for the other arguments. A ``plan``
+    made with ``make_plan(..., tables=False)`` gets its search tables here
+    (:func:`with_tables`).
 
     The draws are made row by row: row ``i``'s ``count[i]`` draws fill consecutive
     slots, so the slots come out sorted by row; each picks a key cluster ``v`` by

@@ -115,7 +115,9 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
 #: Names of the values a sparse branch keeps for its backward pass (see
 #: :data:`SPARSE_BRANCH_POLICY`): the sampled edge keys and the edge kernel's output and
 #: softmax statistics. Everything else (edge list, kernel layout, STE) is recomputed
-#: from them in O(C); fastRG and the attention forward run once per training step.
+#: from them in O(C); fastRG and the attention forward run once per training step. The
+#: dense branch is checkpointed with the same policy: its streamed kernel tags its output
+#: and log-normaliser with the same names, and it has no edge keys.
 SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES)
 SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
