@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sbm_jax import EdgeList, dense_masked_attention, edge_attention
-from sbm_jax.kernels import KERNELS, row_blocks, rows_edge_attention
+from sbm_jax.kernels import KERNELS, default_block_slots, row_blocks, rows_edge_attention
 
 N, M, D, DV = 23, 19, 4, 3
 
@@ -63,8 +63,8 @@ def _naive(q, k, v, edges: EdgeList, scale) -> np.ndarray:
 
 
 # (slots_per_row, block_slots): one virtual row per block, rows split across virtual
-# rows and blocks, several rows per block, and the defaults.
-CONFIGS = [(1, 1), (3, 5), (8, 16), (None, 2**14)]
+# rows and blocks, several rows per block, the largest block, and the defaults.
+CONFIGS = [(1, 1), (3, 5), (8, 16), (None, 2**14), (None, None)]
 
 
 @pytest.mark.parametrize("r,bs", CONFIGS)
@@ -232,6 +232,15 @@ def test_sbm_layer_gradients_with_rows_kernel_match_segment():
     np.testing.assert_allclose(lr, ls, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gs), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_default_block_is_an_eighth_of_the_list_within_bounds():
+    from sbm_jax.kernels.rows import DEFAULT_BLOCK_SLOTS, MIN_BLOCK_SLOTS
+
+    assert default_block_slots(2**16) == 2**13  # n=1024 at 5%: 65536 slots
+    assert default_block_slots(2**20) == DEFAULT_BLOCK_SLOTS == 2**14
+    assert default_block_slots(100) == MIN_BLOCK_SLOTS == 2**10
+    assert default_block_slots(3 * 2**14) == 6144  # not a power of two: C // 8
 
 
 def test_bad_arguments_are_named():
