@@ -419,8 +419,10 @@ def layer_workload(
     the module's defaults unless ``options`` says otherwise, in training mode, with its
     membership logits shifted so that the sampled density is about ``density``.
     ``kind="full"``: the ``full`` layer (same projections, ``jax.nn.dot_product_attention``).
-    Gradients for all parameters and x. ``shift``: use this membership shift instead of
-    finding it (``info["shift"]`` reports the one used).
+    Gradients for all parameters and x. ``args`` is ``(params, x, g, mask)``: the padding
+    mask and the cotangent ``g`` of the output are inputs of the step, not constants.
+    ``shift``: use this membership shift instead of finding it (``info["shift"]``
+    reports the one used).
     """
     from sbm_jax.attention import get_attention
 
@@ -447,11 +449,15 @@ def layer_workload(
         stats["sampled_density"] = stats.pop("density")
         info.update(stats)
 
-    def loss(p, x):
+    def loss(p, x, g, mask):
         out = mod.apply({"params": p}, x, mask, deterministic=False, rngs={"sample": ks})
         return jnp.sum(out * g)
 
-    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x), info
+    # The padding mask (and the output's cotangent) are inputs of the compiled step, as
+    # in a training step, where they come with the batch. Baked in as constants, the
+    # all-true mask lets XLA fold full attention's masking away (n=1024: 66 against
+    # 83 ms), a saving no model with a padding mask gets (docs/benchmarks.md).
+    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x, g, mask), info
 
 
 def lra_step_workload(mechanism: str, n: int, batch: int):
@@ -1106,7 +1112,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"d_h={cfg['head_dim']}, float32, forward + backward, median of {cfg['repeats']} "
         f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with "
         f"{layer} against the `full` layer (same projections, "
-        "`jax.nn.dot_product_attention`), timed in alternation in one process; their time "
+        "`jax.nn.dot_product_attention`), timed in alternation in one process, the padding "
+        "mask and the output's cotangent passed as inputs of the compiled step (as in a "
+        "training step; not constants XLA could fold); their time "
         "ratio is the median of the per-round ratios. Core rows: ratios to "
         "`jax.nn.dot_product_attention` at the same n.",
         "",
