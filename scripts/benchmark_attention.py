@@ -52,6 +52,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -829,6 +830,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**header(args), "results": results}
 
 
+def cpu_model() -> str:
+    """The CPU as the OS names it (Linux: ``/proc/cpuinfo``'s first processor, with its
+    family and model numbers, which tell apart hosts that share a marketing name)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block is enough
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def git_commit() -> str:
+    """Short hash of the checkout the benchmark ran from, ``?`` outside git."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def header(args: argparse.Namespace) -> dict[str, Any]:
     """The run's configuration and machine, as the JSON report records them."""
     from sbm_jax.kernels.cost import edge_cost
@@ -855,8 +888,10 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "devices": [str(dev) for dev in jax.devices()],
             "device_kind": jax.devices()[0].device_kind,
             "cpu_count": os.cpu_count(),
+            "cpu": cpu_model(),
             "jax": jax.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(),
         },
     }
 
@@ -1107,14 +1142,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
             else []
         ),
         f"Machine: {mach['platform']}, backend {mach['backend']}{device}, "
-        f"{mach['cpu_count']} CPUs, "
-        f"JAX {mach['jax']}, {mach['date']}. B={cfg['batch']}, H={cfg['heads']}, "
-        f"d_h={cfg['head_dim']}, float32, forward + backward, median of {cfg['repeats']} "
-        f"after {cfg['warmup']} warm-up call(s). Layer rows: `SBMAttention` with "
-        f"{layer} against the `full` layer (same projections, "
-        "`jax.nn.dot_product_attention`), timed in alternation in one process, the padding "
-        "mask and the output's cotangent passed as inputs of the compiled step (as in a "
-        "training step; not constants XLA could fold); their time "
+        f"{mach['cpu_count']} CPUs ({mach.get('cpu', 'model not recorded')}), "
+        f"JAX {mach['jax']}, {mach['date']}, commit {mach.get('commit', '?')}. "
+        f"B={cfg['batch']}, H={cfg['heads']}, d_h={cfg['head_dim']}, float32, "
+        f"forward + backward, median of {cfg['repeats']} after {cfg['warmup']} warm-up "
+        f"call(s). Layer rows: `SBMAttention` with {layer} against the `full` layer "
+        "(same projections, `jax.nn.dot_product_attention`), timed in alternation in one "
+        "process, the padding mask and the output's cotangent passed as inputs of the "
+        "compiled step (as in a training step; not constants XLA could fold); their time "
         "ratio is the median of the per-round ratios. Core rows: ratios to "
         "`jax.nn.dot_product_attention` at the same n.",
         "",

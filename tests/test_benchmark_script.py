@@ -97,9 +97,14 @@ def test_a_stopped_run_keeps_what_it_measured(bench, tmp_path, monkeypatch, caps
     rec = saved["results"][0]
     assert rec["section"] == "dense" and rec["median_s"] == 0.25 and rec["n"] == 64
     assert saved["command"].endswith(str(out)) and saved["machine"]["backend"] == "cpu"
+    # The host is named (ratios move with it) and the commit measured.
+    mach = saved["machine"]
+    assert mach["cpu"] and mach["cpu"] != "unknown CPU" and mach["commit"]
     md = tmp_path / "b.md"
     bench.main(["--from-json", str(out), "--markdown", str(md)])
-    assert "**Partial run** (stopped after 1 records)." in md.read_text()
+    text = md.read_text()
+    assert "**Partial run** (stopped after 1 records)." in text
+    assert f"CPUs ({mach['cpu']})" in text and f"commit {mach['commit']}." in text
 
 
 def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, monkeypatch):
