@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +48,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark_attention import git_commit  # noqa: E402
 
 from sbm_jax.attention import get_attention  # noqa: E402
 from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
@@ -201,12 +203,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"n={rec['n']:6d} {rec['layer']:15s} {shown}  temp {rec['temp_bytes'] / 2**20:.1f} MiB"
         )
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "?"
     return {
         "config": {
             "batch": args.batch,
@@ -223,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_count": os.cpu_count(),
             "jax": jax.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": commit,
+            "commit": git_commit(),
         },
         "results": results,
     }
