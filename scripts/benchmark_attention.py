@@ -51,6 +51,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -190,6 +191,7 @@ def measure_interleaved(
     repeats: int,
     warmup: int,
     max_bytes: float,
+    shuffle_seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Like :func:`measure` for several workloads, timed in alternation (A B A B ...).
 
@@ -197,6 +199,13 @@ def measure_interleaved(
     the drift fall on every workload alike, so their ratio is steadier than that of two
     back-to-back medians. Each info also gets ``round_ratios``: per round, its time over
     the first workload's.
+
+    ``shuffle_seed``: shuffle the order within every round (``random.Random(seed)``)
+    instead of the fixed A B C order. Worth it for many workloads of very different
+    sizes: a call right after a large one (``full`` at n=4096 frees ~1 GiB) was
+    measured ~2x slower than the same call later in the round, and a fixed order
+    charges that to the same workload every round. The round ratios still pair the
+    calls of one round.
     """
     infos, compiled = [], []
     for fn, args in workloads:
@@ -208,8 +217,12 @@ def measure_interleaved(
         for i in live:
             jax.block_until_ready(compiled[i](*workloads[i][1]))
     calls: dict[int, list[dict[str, float]]] = {i: [] for i in live}
+    order = list(live)
+    shuffle = None if shuffle_seed is None else random.Random(shuffle_seed).shuffle
     for _ in range(repeats):
-        for i in live:
+        if shuffle is not None:
+            shuffle(order)
+        for i in order:
             calls[i].append(timed_call(compiled[i], workloads[i][1]))
     times = {i: [c["s"] for c in calls[i]] for i in live}
     for i in live:

@@ -35,11 +35,8 @@ import datetime
 import json
 import os
 import platform
-import random
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +47,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_attention import git_commit  # noqa: E402
+from benchmark_attention import (  # noqa: E402
+    cpu_model,
+    git_commit,
+    measure_interleaved,
+)
 
 from sbm_jax.attention import get_attention  # noqa: E402
 from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
@@ -84,11 +85,13 @@ def layer_fwd_bwd(name: str, options: dict[str, Any], b: int, h: int, d: int, n:
     # Parameters do not depend on n; init on 64 tokens (stride 8, room for c = 8).
     params = nn.unbox(module.init(kp, x[:, :64], mask[:, :64], deterministic=True))["params"]
 
-    def loss(p, x, g):  # g an argument, not a constant XLA would fold
+    # g and the mask are arguments, not constants XLA would fold (an all-true constant
+    # mask lets XLA drop `full`'s masking, which no training step gets).
+    def loss(p, x, g, mask):
         out = module.apply({"params": p}, x, mask, deterministic=False)
         return jnp.sum(out * g)
 
-    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x, g)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (params, x, g, mask)
 
 
 def core_fwd_bwd(kind: str, n: int, c: int | None, chunk: int, b: int, h: int, d: int):
@@ -103,13 +106,13 @@ def core_fwd_bwd(kind: str, n: int, c: int | None, chunk: int, b: int, h: int, d
     )
     mask = jnp.ones((b, n), bool)
 
-    def loss(q, k, v, g):
+    def loss(q, k, v, g, mask):
         out, _ = blocked_pattern_attention(
             q, k, v, mask, kind=kind, stride=stride, c=c, chunk_elements=chunk or 2**62
         )
         return jnp.sum(out * g)
 
-    return jax.value_and_grad(loss, argnums=(0, 1, 2)), (q, k, v, g)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2)), (q, k, v, g, mask)
 
 
 def chunk_sweep(args: argparse.Namespace) -> None:
@@ -122,63 +125,17 @@ def chunk_sweep(args: argparse.Namespace) -> None:
                 loads.append(core_fwd_bwd(kind, n, args.chunk_c, chunk, args.batch, h, d))
                 labels.append((kind, n, chunk))
     infos = measure_interleaved(
-        loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+        loads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_bytes=args.max_gib * GIB,
+        shuffle_seed=0,
     )
     print("| kind | n | chunk_elements | ms | temp MiB |\n|---|---|---|---|---|")
     for (kind, n, chunk), info in zip(labels, infos, strict=True):
         ms = _fmt(info.get("median_s", 0) * 1e3 if "median_s" in info else None, ".1f")
         mib = info["temp_bytes"] / 2**20
         print(f"| {kind} | {n} | {chunk or 'unchunked'} | {ms} | {mib:.1f} |")
-
-
-def compile_checked(fn: Callable[..., Any], args: Sequence[Any], max_bytes: float):
-    """Compile ``fn``; ``(compiled or None when over max_bytes, info)``."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    info: dict[str, Any] = {"compile_s": round(time.perf_counter() - t0, 2)}
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        info.update(
-            temp_bytes=int(mem.temp_size_in_bytes),
-            argument_bytes=int(mem.argument_size_in_bytes),
-            output_bytes=int(mem.output_size_in_bytes),
-        )
-        footprint = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-        if footprint > max_bytes:
-            info["skipped"] = f"compiled only: footprint {footprint / GIB:.1f} GiB > --max-gib"
-            return None, info
-    return compiled, info
-
-
-def measure_interleaved(workloads, *, repeats: int, warmup: int, max_bytes: float, seed: int = 0):
-    """Compile every ``(fn, args)``, then time them in alternation; one info per workload.
-
-    The order is shuffled every round: a call right after a large one (``full`` at
-    n = 4096 frees ~1 GiB) was measured ~2x slower than the same call later in the
-    round, so a fixed order would always charge that to the same workload.
-    """
-    infos, compiled = [], []
-    for fn, args in workloads:
-        exe, info = compile_checked(fn, args, max_bytes)
-        infos.append(info)
-        compiled.append(exe)
-    live = [i for i, c in enumerate(compiled) if c is not None]
-    for _ in range(warmup):
-        for i in live:
-            jax.block_until_ready(compiled[i](*workloads[i][1]))
-    times: dict[int, list[float]] = {i: [] for i in live}
-    order = list(live)
-    shuffle = random.Random(seed).shuffle
-    for _ in range(repeats):
-        shuffle(order)
-        for i in order:
-            t = time.perf_counter()
-            jax.block_until_ready(compiled[i](*workloads[i][1]))
-            times[i].append(time.perf_counter() - t)
-    for i in live:
-        infos[i]["median_s"] = statistics.median(times[i])
-        infos[i]["times_s"] = [round(t, 5) for t in times[i]]
-    return infos
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,7 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loads.append((fn, fargs))
             results.append({"n": n, "layer": label, "name": name, "options": options})
     infos = measure_interleaved(
-        loads, repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB
+        loads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_bytes=args.max_gib * GIB,
+        shuffle_seed=0,
     )
     for rec, info in zip(results, infos, strict=True):
         rec.update(info)
@@ -217,6 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "backend": jax.default_backend(),
             "devices": [str(dev) for dev in jax.devices()],
             "cpu_count": os.cpu_count(),
+            "cpu": cpu_model(),
             "jax": jax.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "commit": git_commit(),
@@ -271,7 +233,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs, "
+        f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs"
+        f"{' (' + mach['cpu'] + ')' if mach.get('cpu') else ''}, "
         f"JAX {mach['jax']}, {mach['date']}, commit {mach['commit']}. B={cfg['batch']}, "
         f"H={cfg['heads']}, d_h={cfg['head_dim']}, float32, whole layer forward + backward, "
         f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), timed in "

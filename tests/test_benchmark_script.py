@@ -160,3 +160,44 @@ def test_layer_rows_report_page_faults_and_system_time(bench):
     assert full["note"] == "16905 page faults and 40 ms system CPU per call"
     assert sbm["note"].startswith("path 1 (bucket), sampled density 0.050; median of per-round")
     assert sbm["note"].endswith("; 11622 page faults and 24 ms system CPU per call")
+
+
+def test_interleaved_rounds_shuffle_and_ratios_pair_one_round(bench, monkeypatch):
+    # Three real compiled workloads; the timer is replaced so that each call's "time"
+    # names its workload and its round: the ratios must pair calls of the same round.
+    loads = [(lambda x, c=c: x * c, (jnp.ones(4),)) for c in (1.0, 2.0, 3.0)]
+    order = []
+
+    def fake_timed_call(compiled, args):
+        which = int(round(float(compiled(*args)[0]))) - 1
+        order.append(which)
+        rnd = (len(order) - 1) // 3 + 1  # 1, 1, 1, 2, 2, 2, ...
+        return {"s": (which + 1) * 10.0**rnd}
+
+    monkeypatch.setattr(bench, "timed_call", fake_timed_call)
+    kw = dict(repeats=6, warmup=0, max_bytes=float("inf"))
+    infos = bench.measure_interleaved(loads, **kw)
+    assert order == [0, 1, 2] * 6
+    assert infos[2]["round_ratios"] == [3.0] * 6
+    order.clear()
+    infos = bench.measure_interleaved(loads, shuffle_seed=0, **kw)
+    rounds = [order[3 * r : 3 * r + 3] for r in range(6)]
+    assert all(sorted(r) == [0, 1, 2] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # the order changes between rounds
+    assert infos[1]["round_ratios"] == [2.0] * 6 and infos[2]["round_ratios"] == [3.0] * 6
+    assert infos[0]["times_s"] == [10.0**r for r in range(1, 7)]
+
+
+def test_sparse_patterns_script_runs_and_reports_the_host(tmp_path):
+    sp = load_script("benchmark_sparse_patterns")
+    out, md = tmp_path / "sp.json", tmp_path / "b.md"
+    argv = ["--sizes", "64", "--layers", "full", "strided", "--repeats", "2"]
+    sp.main([*argv, "--json", str(out), "--markdown", str(md)])
+    report = json.loads(out.read_text())
+    mach = report["machine"]
+    assert mach["cpu"] and mach["commit"]
+    assert [r["layer"] for r in report["results"]] == ["full", "strided"]
+    assert all(len(r["times_s"]) == 2 for r in report["results"])
+    text = md.read_text()
+    assert f"CPUs ({mach['cpu']})" in text and f"commit {mach['commit']}." in text
+    assert "| 64 | strided | 8 |" in text
