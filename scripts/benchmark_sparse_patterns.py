@@ -282,7 +282,8 @@ def write_markdown(path: Path, body: str) -> None:
     text = path.read_text() if path.exists() else "# Attention benchmarks\n"
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
-        path.write_text(head + block + rest.split(END, 1)[1].lstrip("\n"))
+        tail = rest.split(END, 1)[1].lstrip("\n")  # the prose after it, one blank line
+        path.write_text(head + block + ("\n" + tail if tail else ""))
         return
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n"

@@ -201,3 +201,14 @@ def test_sparse_patterns_script_runs_and_reports_the_host(tmp_path):
     text = md.read_text()
     assert f"CPUs ({mach['cpu']})" in text and f"commit {mach['commit']}." in text
     assert "| 64 | strided | 8 |" in text
+
+
+def test_sparse_patterns_block_is_rewritten_and_the_prose_after_it_kept(tmp_path):
+    sp = load_script("benchmark_sparse_patterns")
+    doc = tmp_path / "b.md"
+    doc.write_text(f"# B\n\n{sp.SECTION}\n\n{sp.BEGIN}\nold\n{sp.END}\n\nReading it:\n")
+    for body in ("new\n", "newer\n"):  # twice: the blank line before the prose stays
+        sp.write_markdown(doc, body)
+        assert doc.read_text() == (
+            f"# B\n\n{sp.SECTION}\n\n{sp.BEGIN}\n{body}{sp.END}\n\nReading it:\n"
+        )
