@@ -895,17 +895,23 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "layer_options": getattr(args, "layer_options", {}),
             "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
-        "machine": {
-            "platform": platform.platform(),
-            "backend": jax.default_backend(),
-            "devices": [str(dev) for dev in jax.devices()],
-            "device_kind": jax.devices()[0].device_kind,
-            "cpu_count": os.cpu_count(),
-            "cpu": cpu_model(),
-            "jax": jax.__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": git_commit(),
-        },
+        "machine": machine(),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """Where and on what a run measured: the JSON reports' ``machine`` record (this
+    script's and ``benchmark_sparse_patterns.py``'s)."""
+    return {
+        "platform": platform.platform(),
+        "backend": jax.default_backend(),
+        "devices": [str(dev) for dev in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu_model(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": git_commit(),
     }
 
 
@@ -1254,12 +1260,22 @@ def write_markdown(path: Path, body: str) -> None:
         return
     text = path.read_text()
     for begin, end in ((BEGIN, END), _OLD_MARKERS):
-        if begin in text and end in text.split(begin, 1)[1]:
-            head, rest = text.split(begin, 1)
-            tail = rest.split(end, 1)[1].lstrip("\n")
-            path.write_text(head + block + ("\n" + tail if tail else ""))
+        replaced = replace_block(text, begin, end, block)
+        if replaced is not None:
+            path.write_text(replaced)
             return
     path.write_text(text.rstrip("\n") + "\n\n" + block)
+
+
+def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
+    """``text`` with the span from ``begin`` to ``end`` replaced by ``block`` (which
+    holds its own markers) and one blank line before the prose after it; ``None``
+    when ``text`` has no such span."""
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        return None
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1].lstrip("\n")
+    return head + block + ("\n" + tail if tail else "")
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -31,10 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -47,11 +44,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_attention import (  # noqa: E402
-    cpu_model,
-    git_commit,
-    measure_interleaved,
-)
+from benchmark_attention import machine, measure_interleaved, replace_block  # noqa: E402
 
 from sbm_jax.attention import get_attention  # noqa: E402
 from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
@@ -173,16 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "max_gib": args.max_gib,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "backend": jax.default_backend(),
-            "devices": [str(dev) for dev in jax.devices()],
-            "cpu_count": os.cpu_count(),
-            "cpu": cpu_model(),
-            "jax": jax.__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": git_commit(),
-        },
+        "machine": machine(),
         "results": results,
     }
 
@@ -280,10 +264,9 @@ def write_markdown(path: Path, body: str) -> None:
     """Replace the generated block of the section at the end of ``path`` (or add both)."""
     block = f"{BEGIN}\n{body}{END}\n"
     text = path.read_text() if path.exists() else "# Attention benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")  # the prose after it, one blank line
-        path.write_text(head + block + ("\n" + tail if tail else ""))
+    replaced = replace_block(text, BEGIN, END, block)
+    if replaced is not None:
+        path.write_text(replaced)
         return
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n"
