@@ -915,6 +915,19 @@ def machine() -> dict[str, Any]:
     }
 
 
+def machine_text(mach: dict[str, Any]) -> str:
+    """The :func:`machine` record as both scripts' tables print it: platform, backend
+    (and the device kind off CPU), CPUs and their model, JAX, date and commit. Records
+    written before a field existed print ``model not recorded`` or ``?`` for it."""
+    kind = mach.get("device_kind")
+    device = f" ({kind})" if kind and mach["backend"] != "cpu" else ""
+    return (
+        f"{mach['platform']}, backend {mach['backend']}{device}, "
+        f"{mach['cpu_count']} CPUs ({mach.get('cpu', 'model not recorded')}), "
+        f"JAX {mach['jax']}, {mach['date']}, commit {mach.get('commit', '?')}"
+    )
+
+
 # ----------------------------------------------------------------------------- reporting
 def _find(results, **match):
     for r in results:
@@ -1144,8 +1157,6 @@ def _fmt(x, spec=".3g"):
 
 def markdown(report: dict[str, Any], command: str) -> str:
     cfg, mach = report["config"], report["machine"]
-    kind = mach.get("device_kind")
-    device = f" ({kind})" if kind and mach["backend"] != "cpu" else ""
     options = cfg.get("layer_options") or {}
     layer = (
         "the module's defaults"
@@ -1160,9 +1171,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             if report.get("partial")
             else []
         ),
-        f"Machine: {mach['platform']}, backend {mach['backend']}{device}, "
-        f"{mach['cpu_count']} CPUs ({mach.get('cpu', 'model not recorded')}), "
-        f"JAX {mach['jax']}, {mach['date']}, commit {mach.get('commit', '?')}. "
+        f"Machine: {machine_text(mach)}. "
         f"B={cfg['batch']}, H={cfg['heads']}, d_h={cfg['head_dim']}, float32, "
         f"forward + backward, median of {cfg['repeats']} after {cfg['warmup']} warm-up "
         f"call(s). Layer rows: `SBMAttention` with {layer} against the `full` layer "

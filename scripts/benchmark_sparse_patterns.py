@@ -44,7 +44,12 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_attention import machine, measure_interleaved, replace_block  # noqa: E402
+from benchmark_attention import (  # noqa: E402
+    machine,
+    machine_text,
+    measure_interleaved,
+    replace_block,
+)
 
 from sbm_jax.attention import get_attention  # noqa: E402
 from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
@@ -217,9 +222,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {mach['platform']}, backend {mach['backend']}, {mach['cpu_count']} CPUs"
-        f"{' (' + mach['cpu'] + ')' if mach.get('cpu') else ''}, "
-        f"JAX {mach['jax']}, {mach['date']}, commit {mach['commit']}. B={cfg['batch']}, "
+        f"Machine: {machine_text(mach)}. B={cfg['batch']}, "
         f"H={cfg['heads']}, d_h={cfg['head_dim']}, float32, whole layer forward + backward, "
         f"median of {cfg['repeats']} after {cfg['warmup']} warm-up call(s), timed in "
         "alternation in one process (every layer at every n once per round, order "
