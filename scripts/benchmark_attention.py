@@ -146,20 +146,22 @@ def measure(
     return info
 
 
-def _usage() -> tuple[int, float] | None:
+def _usage() -> tuple[int, float, float] | None:
     if resource is None:
         return None
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_minflt, r.ru_stime
+    return r.ru_minflt, r.ru_stime, r.ru_utime
 
 
 def timed_call(compiled: Any, args: Sequence[Any]) -> dict[str, float]:
     """One call of ``compiled``: wall seconds, and where the platform reports them the
-    process's minor page faults and system CPU seconds during the call.
+    process's minor page faults, system and user CPU seconds during the call.
 
     On CPU, XLA allocates a program's temp buffer on every call; above glibc's mmap
     threshold (32 MiB at most) the allocation is a fresh mapping, so every page the
-    program touches faults again, every call (see docs/benchmarks.md).
+    program touches faults again, every call (see docs/benchmarks.md). User CPU over
+    wall time is how many cores the call kept busy (XLA's worker threads count, spinning
+    or working).
     """
     before = _usage()
     t = time.perf_counter()
@@ -169,11 +171,12 @@ def timed_call(compiled: Any, args: Sequence[Any]) -> dict[str, float]:
     if before is not None and after is not None:
         call["faults"] = after[0] - before[0]
         call["sys_s"] = after[1] - before[1]
+        call["user_s"] = after[2] - before[2]
     return call
 
 
 def call_summary(calls: Sequence[dict[str, float]]) -> dict[str, Any]:
-    """Median wall time (and page faults, system CPU time) of timed calls."""
+    """Median wall time (and page faults, system and user CPU time) of timed calls."""
     times = [c["s"] for c in calls]
     out: dict[str, Any] = {
         "median_s": statistics.median(times),
@@ -182,6 +185,8 @@ def call_summary(calls: Sequence[dict[str, float]]) -> dict[str, Any]:
     if calls and all("faults" in c for c in calls):
         out["faults_per_call"] = statistics.median(c["faults"] for c in calls)
         out["sys_s_per_call"] = statistics.median(c["sys_s"] for c in calls)
+    if calls and all("user_s" in c for c in calls):
+        out["user_s_per_call"] = statistics.median(c["user_s"] for c in calls)
     return out
 
 
@@ -996,9 +1001,14 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             if "median_round_ratio" in r:
                 row["note"] += f"; median of per-round ratios {r['median_round_ratio']:.3f}"
         if r["section"] == "layer" and "faults_per_call" in r:
+            # (Reports written before user CPU was recorded have only the first two.)
+            user = r.get("user_s_per_call")
             faults = (
-                f"{r['faults_per_call']:.0f} page faults and "
-                f"{r['sys_s_per_call'] * 1e3:.0f} ms system CPU per call"
+                f"{r['faults_per_call']:.0f} page faults"
+                + (" and " if user is None else ", ")
+                + f"{r['sys_s_per_call'] * 1e3:.0f} ms system"
+                + ("" if user is None else f" and {user * 1e3:.0f} ms user")
+                + " CPU per call"
             )
             row["note"] = f"{row['note']}; {faults}" if row.get("note") else faults
         if r["section"] == "sample" and "median_round_ratio" in r:

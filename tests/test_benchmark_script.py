@@ -135,11 +135,20 @@ def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, 
     assert "`SBMAttention` with the module's defaults but `ste='pairs'`" in md.read_text()
 
 
-def test_layer_rows_report_page_faults_and_system_time(bench):
+def test_layer_rows_report_page_faults_and_cpu_time(bench):
     # A real call: the counters come from getrusage around it (Linux here).
     exe = jax.jit(lambda x: jnp.sort(x) * 2.0).lower(jnp.zeros(4096)).compile()
     call = bench.timed_call(exe, (jnp.arange(4096.0),))
     assert call["s"] > 0 and call["faults"] >= 0 and call["sys_s"] >= 0
+
+    # User CPU is the process's: a call that computes for a while is charged some.
+    def busy(x):
+        return jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ x), x)
+
+    x = jnp.eye(256) * 0.5
+    exe = jax.jit(busy).lower(x).compile()
+    call = bench.timed_call(exe, (x,))
+    assert call["user_s"] > 0 and call["user_s"] + call["sys_s"] <= 64 * call["s"]
     summary = bench.call_summary(
         [{"s": 0.3, "faults": 10, "sys_s": 0.02}, {"s": 0.1, "faults": 30, "sys_s": 0.01},
          {"s": 0.2, "faults": 20, "sys_s": 0.03}]
@@ -147,6 +156,13 @@ def test_layer_rows_report_page_faults_and_system_time(bench):
     assert summary["median_s"] == pytest.approx(0.2) and summary["faults_per_call"] == 20
     assert summary["sys_s_per_call"] == pytest.approx(0.02)
     assert "faults_per_call" not in bench.call_summary([{"s": 0.1}])  # no counters: none
+    assert "user_s_per_call" not in summary  # recorded only where every call has it
+    with_user = bench.call_summary(
+        [{"s": 0.3, "faults": 1, "sys_s": 0.0, "user_s": 0.5},
+         {"s": 0.1, "faults": 1, "sys_s": 0.0, "user_s": 0.1},
+         {"s": 0.2, "faults": 1, "sys_s": 0.0, "user_s": 0.35}]
+    )  # fmt: skip
+    assert with_user["user_s_per_call"] == pytest.approx(0.35)
     rec = dict(section="layer", n=1024, density=0.05)
     report = {
         "results": [
@@ -160,6 +176,10 @@ def test_layer_rows_report_page_faults_and_system_time(bench):
     assert full["note"] == "16905 page faults and 40 ms system CPU per call"
     assert sbm["note"].startswith("path 1 (bucket), sampled density 0.050; median of per-round")
     assert sbm["note"].endswith("; 11622 page faults and 24 ms system CPU per call")
+    # With user CPU recorded (how many cores the call kept busy), the note has it too.
+    report["results"][0]["user_s_per_call"] = 0.081
+    full, _ = bench.ratio_rows(report)
+    assert full["note"] == "16905 page faults, 40 ms system and 81 ms user CPU per call"
 
 
 def test_interleaved_rounds_shuffle_and_ratios_pair_one_round(bench, monkeypatch):
