@@ -55,22 +55,34 @@ def parse_preset(
     the default), ``keys`` the ``key=value`` parts (a subset of ``KEYS``).
 
     Raises:
-      ValueError naming the bad part and what is accepted instead.
+      ValueError naming the bad part and what is accepted instead, or the two parts
+      that set the same thing (two mechanisms, two scales, two seeds...).
     """
     unknown = set(keys) - set(KEYS)
     if unknown:
         raise ValueError(f"parse_preset: keys {sorted(unknown)} are not among {KEYS}")
     mechanism, scale, lam, seed, task = default_mechanism, scales[0], 0.0, 0, ""
+    given: dict[str, str] = {}  # what kind of part was given, by which part
+
+    def once(kind: str, part: str) -> None:
+        # "sbm,full" or "smoke,paper" would silently keep the last one.
+        if kind in given:
+            raise ValueError(f"presets {given[kind]!r} and {part!r} in {arg!r} both set the {kind}")
+        given[kind] = part
+
     for part in (arg or "").replace(" ", "").split(","):
         if not part:
             continue
         key, sep, value = part.partition("=")
         key = key if sep else ""
         if part in mechanisms:
+            once("mechanism", part)
             mechanism = part
         elif part in scales:
+            once("scale", part)
             scale = part
         elif key == "lambda" and "lambda" in keys:
+            once("lambda", part)
             try:
                 lam = float(value)
             except ValueError:
@@ -78,11 +90,13 @@ def parse_preset(
             if lam < 0:
                 raise ValueError(f"preset {part!r}: lambda must be >= 0")
         elif key == "seed" and "seed" in keys:
+            once("seed", part)
             try:
                 seed = int(value)
             except ValueError:
                 raise ValueError(f"preset {part!r}: seed must be an integer") from None
         elif key == "task" and "task" in keys:
+            once("task", part)
             task = value
         else:
             forms = {"lambda": "lambda=<float>", "seed": "seed=<int>", "task": "task=<name>"}

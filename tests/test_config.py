@@ -186,6 +186,17 @@ def test_preset_errors_name_the_bad_part_and_the_choices():
         listops.get_config("seed=1.5")
     with pytest.raises(ValueError, match="lambda must be >= 0"):
         listops.get_config("lambda=-1")
+    # Two parts of one kind: an error, not the last one silently winning.
+    with pytest.raises(
+        ValueError, match=r"presets 'sbm' and 'full' in 'sbm,full,smoke' both set the mechanism"
+    ):
+        listops.get_config("sbm,full,smoke")
+    with pytest.raises(ValueError, match="presets 'smoke' and 'paper' .* both set the scale"):
+        listops.get_config("full,smoke,paper")
+    with pytest.raises(ValueError, match="presets 'seed=1' and 'seed=2' .* both set the seed"):
+        listops.get_config("seed=1,seed=2")
+    with pytest.raises(ValueError, match="both set the scale"):
+        synthetic_config.get_config("quick,smoke")
     with pytest.raises(ValueError, match=r"unknown preset 'full'.*mechanisms \('tsa',\)"):
         tsa_config("full,smoke")
     with pytest.raises(ValueError, match="unknown scale 'quick'"):
