@@ -10,7 +10,8 @@ lambda=<x>,seed=<s> --output_dir=<root>/<task>/<mechanism>_lambda<x>_seed<s>`` p
 sweep goes on). Lambdas other than 0 apply to SBM only (other mechanisms sow no
 differentiable density), so they run once per seed at lambda 0. A run whose directory
 already holds summary.json is skipped; an interrupted one resumes from its checkpoint.
-``--dry_run`` prints the commands instead. Summaries go to ``lra_report.py``.
+``--dry_run`` prints the commands of the runs it would start (and the finished ones it
+would skip) instead. Summaries go to ``lra_report.py``.
 
 Paths: ``--root`` is made absolute (relative to the directory the sweep is started
 from) before anything else, and every run directory, log and "done" check lives under
@@ -98,11 +99,12 @@ def main(argv: list[str]) -> None:
     failed = []
     for directory, cmd in runs:
         line = shlex.join(cmd)
-        if _DRY_RUN.value:
-            print(line)
-            continue
+        # Checked before --dry_run, so that a dry run lists exactly what a real one runs.
         if os.path.exists(os.path.join(directory, "summary.json")):
             print(f"skip (done): {directory}", flush=True)
+            continue
+        if _DRY_RUN.value:
+            print(line)
             continue
         print(f"run: {line}", flush=True)
         os.makedirs(directory, exist_ok=True)

@@ -7,7 +7,7 @@ import os
 from absl import flags
 
 
-def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch):
+def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch, capsys):
     from scripts import lra_sweep
 
     calls = []
@@ -38,6 +38,17 @@ def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch):
         flags.FLAGS.unparse_flags()
         flags.FLAGS([*argv[:-2], f"--root={start / 'sweep'}", "--scale=smoke"])
         lra_sweep.main(["lra_sweep"])
+        assert len(calls) == 1
+        # A dry run lists what a real run would do: the finished run as skipped, a new
+        # seed's command printed, and nothing started.
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS([*argv[:-2], f"--root={start / 'sweep'}", "--scale=smoke", "--seeds=0,1"])
+        flags.FLAGS.dry_run = True
+        capsys.readouterr()
+        lra_sweep.main(["lra_sweep"])
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0] == f"skip (done): {run}"
+        assert len(printed) == 2 and "seed=1" in printed[1] and "full_lambda0_seed1" in printed[1]
         assert len(calls) == 1
     finally:
         flags.FLAGS.unparse_flags()
