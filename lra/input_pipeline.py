@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from lra import tasks
+from lra.builders.common import LRA_RELEASE_URL
 
 Batch = dict[str, np.ndarray]
 
@@ -61,11 +62,42 @@ def dataset_dir(data_dir: str | os.PathLike, task: str, config: str | None = Non
                     versions.append(tuple(int(x) for x in pieces))
     if not versions:
         raise FileNotFoundError(
-            f"no prepared LRA {task!r} dataset in {base}; run "
-            f"`python -m lra.prepare --task={task} --data_dir={data_dir}` first "
-            "(with the same size options that named this config)"
+            f"no prepared LRA {task!r} dataset in {base}; {prepare_hint(task, config, data_dir)}"
         )
     return os.path.join(base, ".".join(str(x) for x in max(versions)))
+
+
+def prepare_hint(task: str, config: str | None, data_dir: str | os.PathLike) -> str:
+    """The ``lra.prepare`` command that makes ``task``'s dataset ``config``, with what it
+    needs beyond the command: the release files (``--manual_dir``) for the tasks and
+    configs read from the LRA release, network access for text and image (TFDS'
+    ``imdb_reviews`` and ``cifar10`` are downloaded from their source hosts)."""
+    flags = [f"--task={task}", f"--data_dir={data_dir}"]
+    config = config or ""
+    release = task == "retrieval" or config.startswith("release")
+    if task in ("listops", "pathfinder") and release:
+        flags.append("--source=release")
+    if task == "pathfinder":
+        difficulty = config.split("_")[1] if "_" in config else "hard"
+        flags.append(f"--difficulty={difficulty}")
+    if config.startswith("bytes") and config != tasks.get_task(task).default_config:
+        flags.append(f"--max_length={config.removeprefix('bytes')}")  # bytes<N>: cut at N
+    if release:
+        flags.append("--manual_dir=DIR")
+    hint = f"run `python -m lra.prepare {' '.join(flags)}` first"
+    if release:
+        hint += (
+            f" (DIR: the folder holding lra_release/ from {LRA_RELEASE_URL}, unpacked with tar xzf)"
+        )
+    elif task in ("text", "image"):
+        catalog = "imdb_reviews" if task == "text" else "cifar10"
+        hint += (
+            f" (it downloads TFDS {catalog!r} from its source host: it needs network access, "
+            f"or --catalog_data_dir=DIR where {catalog} is already prepared)"
+        )
+    if "_n" in config or "_len" in config:
+        hint += f"; with the size options that named {config!r} (--num_train=... --max_length=...)"
+    return hint
 
 
 def open_split(

@@ -8,8 +8,12 @@
 
 Idempotent: a dataset already prepared is left as is (TFDS writes into a temporary
 directory and renames it at the end, so an interrupted run leaves nothing half-done;
-running again redoes only what is missing).  Prints the config name to pass to
+running again starts that dataset over).  Prints the config name to pass to
 `lra.input_pipeline` and the size on disk.
+
+text and image download TFDS' imdb_reviews and cifar10 from their source hosts
+(network access needed; --catalog_data_dir points at a copy already prepared). Offline,
+the download fails after TFDS's retries with one error line and exit code 2.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ def prepare(argv_task: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import requests  # TFDS downloads with it
+
     try:
         prepare(FLAGS.task)
     except (builders.MissingFilesError, builders.MalformedFileError, ValueError) as e:
@@ -124,6 +130,24 @@ def main(argv):
         # line naming the file and line or the option, exit 2.
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    except requests.exceptions.RequestException as e:
+        # Only text and image download (the other tasks are generated or read from the
+        # release files): offline, TFDS gives up after its retries with a long traceback.
+        print(f"error: {download_failure(FLAGS.task, e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def download_failure(task: str, error: BaseException) -> str:
+    """One line for a failed download of ``task``'s TFDS source dataset."""
+    catalog = {"text": "imdb_reviews", "image": "cifar10"}.get(task, "its source data")
+    detail = " ".join(str(error).split())
+    if len(detail) > 200:
+        detail = detail[:200] + "..."
+    return (
+        f"--task={task}: could not download TFDS {catalog!r} ({type(error).__name__}: "
+        f"{detail}). Preparing {task} needs network access to its source host, or "
+        f"--catalog_data_dir=DIR where {catalog} is already prepared."
+    )
 
 
 def console_main() -> None:

@@ -236,7 +236,7 @@ def check_lengths(source: Any, task: str, split: str, config: Any, where: str) -
     if not config.task.get("truncate", False):
         raise ValueError(f"{what}; set task.truncate=True to cut them, or raise task.max_length")
     if jax.process_index() == 0:
-        print(f"task.truncate=True: cutting {what}", flush=True)
+        print(f"task.truncate=True: cutting these to {length} tokens: {what}", flush=True)
 
 
 def _where(task: str, config: Any) -> str:

@@ -169,7 +169,12 @@ class LraPathfinder(tfds.core.GeneratorBasedBuilder):
                     base = cand
                     break
         if base is None:
-            where = manual_dir or "<manual_dir> (pass --manual_dir=DIR)"
+            # Absolute, as the other release tasks' messages give it.
+            where = (
+                os.path.abspath(os.path.expanduser(manual_dir))
+                if manual_dir
+                else "<manual_dir> (pass --manual_dir=DIR)"
+            )
             raise common.MissingFilesError(
                 f"LRA pathfinder ({self.builder_config.difficulty}): release folder not found.\n"
                 f"Put the folder {RELEASE_SUBDIR}/{sub}/ (with imgs/ and metadata/*.npy) in "

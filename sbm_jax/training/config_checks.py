@@ -199,7 +199,10 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     if not isinstance(warmup, int) or warmup < 0:
         errors.append(f"train.warmup_steps={warmup!r} must be a non-negative integer")
     elif isinstance(steps, int) and warmup > steps:
-        errors.append(f"train.warmup_steps={warmup} exceeds train.num_steps={steps}")
+        errors.append(
+            f"train.warmup_steps={warmup} exceeds train.num_steps={steps} (a run cut "
+            "short needs its warm-up cut too: --config.train.warmup_steps)"
+        )
     factor = train.get("end_learning_rate_factor")
     if not isinstance(factor, (int, float)) or not 0.0 <= factor <= 1.0:
         errors.append(f"train.end_learning_rate_factor={factor!r} must lie in [0, 1]")

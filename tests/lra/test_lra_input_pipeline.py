@@ -179,6 +179,73 @@ def test_missing_dataset_message(tmp_path):
         input_pipeline.open_split(str(tmp_path), "pathfinder", "train")
 
 
+@pytest.mark.parametrize(
+    "task, config, flags, needs",
+    [
+        ("listops", None, "--task=listops --data_dir=D`", None),
+        ("listops", "release", "--source=release --manual_dir=DIR`", "lra_release.gz"),
+        ("retrieval", None, "--task=retrieval --data_dir=D --manual_dir=DIR`", "lra_release/"),
+        ("retrieval", "bytes4000", "--max_length=4000 --manual_dir=DIR`", "tar xzf"),
+        (
+            "pathfinder",
+            "release_easy",
+            "--source=release --difficulty=easy --manual_dir=DIR`",
+            "lra_release.gz",
+        ),
+        ("pathfinder", None, "--task=pathfinder --data_dir=D --difficulty=hard`", None),
+        ("text", "bytes4096", "--task=text --data_dir=D --max_length=4096`", "'imdb_reviews'"),
+        ("image", None, "--task=image --data_dir=D`", "--catalog_data_dir=DIR where cifar10"),
+    ],
+)
+def test_missing_dataset_message_gives_a_command_that_can_work(task, config, flags, needs):
+    # The command in the message must be one that prepares that very config: release
+    # files named (--manual_dir), the config's options, the network for text and image.
+    with pytest.raises(FileNotFoundError) as err:
+        input_pipeline.dataset_dir("D", task, config)
+    message = str(err.value)
+    assert f"{flags} first" in message, message
+    assert needs is None or needs in message, message
+    if needs is None:
+        assert "DIR" not in message and "network" not in message, message
+    sized = input_pipeline.prepare_hint("listops", "generated_n2000-200-200_len128-512", "D")
+    assert "size options that named 'generated_n2000-200-200_len128-512'" in sized
+
+
+def test_prepare_reports_an_offline_download_in_one_line():
+    # No network here: the download is replaced by the error requests raises offline,
+    # and the command must end with one line and exit code 2, not TFDS's traceback.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, requests\n"
+        "from lra import prepare as p\n"
+        "def offline(task):\n"
+        "    raise requests.exceptions.ConnectionError(\n"
+        "        'Max retries exceeded with url: /aclImdb_v1.tar.gz '\n"
+        "        '(Caused by NameResolutionError: Failed to resolve ai.stanford.edu)')\n"
+        "p.prepare = offline\n"
+        "sys.argv = ['prepare', '--task=text']\n"
+        "p.console_main()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: --task=text: could not download TFDS 'imdb_reviews'")
+    assert "ai.stanford.edu" in line and "needs network access" in line
+    assert "--catalog_data_dir=DIR" in line
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="batch_size"):
         input_pipeline.make_dataset([], task="listops", batch_size=0)
