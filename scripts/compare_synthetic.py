@@ -82,6 +82,11 @@ def make_config(
     config.train.warmup_steps = min(int(config.train.warmup_steps), steps)
     config.train.log_every = max(1, min(int(config.train.log_every), steps))
     config.model.attention = name
+    # Every mechanism from the same independent draw of its projections (docs/mechanisms.md
+    # reports the table so): the full preset's tied query/key init would start each
+    # mechanism at full attention's best init, and fails on mechanisms without separate
+    # query and key projections (reformer's shared QK, tsa).
+    config.model.query_key_init = "independent"
     config.model.attention_options = ml_collections.ConfigDict(
         mechanism_options(name, seq_len, scale_budgets)
     )
