@@ -21,6 +21,10 @@ from typing import Any
 from glue.data import GLUE_TASKS, get_task_spec
 
 
+class DownloadFailed(RuntimeError):
+    """A dataset's download failed (offline, say): the message names the dataset."""
+
+
 def prepare(
     tasks: Sequence[str],
     data_dir: str | None = None,
@@ -33,7 +37,8 @@ def prepare(
     is ``(name, data_dir=...) -> builder``.
 
     Raises:
-      ValueError naming ``--tasks`` for an unknown task.
+      ValueError naming ``--tasks`` for an unknown task; DownloadFailed naming the
+      dataset whose download failed.
     """
     for task in tasks:
         try:
@@ -50,9 +55,20 @@ def prepare(
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     names = [get_task_spec(t).tfds_name for t in tasks] + ([corpus] if corpus else [])
     out = {}
+    import requests  # what TFDS downloads with
+
     for name in names:
         builder = builder_fn(name, data_dir=data_dir)
-        builder.download_and_prepare(file_format="array_record")
+        try:
+            builder.download_and_prepare(file_format="array_record")
+        except requests.exceptions.RequestException as e:
+            detail = " ".join(str(e).split())
+            detail = detail if len(detail) <= 200 else detail[:200] + "..."
+            raise DownloadFailed(
+                f"could not download {name} ({type(e).__name__}: {detail}); preparing it "
+                "needs network access once (or run glue.prepare where there is some and "
+                "copy the TFDS data dir)"
+            ) from e
         out[name] = str(builder.data_dir)
         print(f"prepared {name} -> {builder.data_dir}", flush=True)
     return out
@@ -71,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     try:
         prepare(tasks, args.data_dir, args.corpus)
-    except ValueError as e:
+    except (ValueError, DownloadFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

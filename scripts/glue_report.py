@@ -57,9 +57,29 @@ def summary_paths(args: Iterable[str]) -> list[str]:
             if os.path.isdir(match):
                 match = os.path.join(match, "summary.json")
             if not os.path.isfile(match):
-                raise FileNotFoundError(f"summary {match!r} does not exist")
+                what = "matched no file" if glob.has_magic(arg) else "does not exist"
+                raise FileNotFoundError(f"summary {match!r} {what}")
             paths.append(match)
     return paths
+
+
+def load_summaries(paths: Sequence[str]) -> list[dict]:
+    """The summaries at ``paths``; a file that is not a GLUE fine-tuning run's summary
+    (a pretraining run's, say) is a ValueError naming it."""
+    summaries = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            try:
+                summary = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not JSON ({e})") from None
+        try:
+            for key in ("headline", "headline_accuracy"):
+                collect([summary], key)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e} (not a GLUE fine-tuning run's summary.json?)") from None
+        summaries.append(summary)
+    return summaries
 
 
 def _task_of(summary: dict) -> str:
@@ -112,10 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paper", action="store_true", help="append the paper's Table 4 rows")
     parser.add_argument("--output", default="", help="also write the table to this file")
     args = parser.parse_args(argv)
-    summaries = []
-    for path in summary_paths(args.summaries):
-        with open(path, encoding="utf-8") as f:
-            summaries.append(json.load(f))
+    try:
+        summaries = load_summaries(summary_paths(args.summaries))
+    except (OSError, ValueError) as e:
+        # A glob that matched nothing, a file that is not a fine-tuning summary: one line.
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     table = render_table(collect(summaries), with_paper=args.paper)
     table += "\nAccuracy (%), same runs (the paper reports F1 only):\n\n"
     table += render_table(collect(summaries, "headline_accuracy"))

@@ -256,6 +256,12 @@ BAD_INPUTS = [
     ),
     (("--config.task.name=synthetik",), "did you mean 'synthetic'?"),
     (("--config.model.attention=sbmm",), "config.model.attention='sbmm' is not a known"),
+    (
+        ("--config.model.attention=performer",),  # the SBM preset's options stay behind
+        "['cluster_init', 'delta', 'dense_below', 'edge_cost', 'edge_law', 'impl', "
+        "'num_clusters', 'self_loops', 'shared_mlp', 'ste'] are not options of attention "
+        "'performer' (another mechanism's options",
+    ),
     (("--config.mesh.heads=3",), "config.mesh.heads=3"),
     (("--config.init_from=/no/such/run",), "config.init_from='/no/such/run' does not exist"),
     (("--bogus=1",), "unknown flag --bogus"),

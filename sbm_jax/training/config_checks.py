@@ -97,16 +97,26 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
     options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
     defaults = get_mechanism(str(model.get("attention"))).option_defaults()
     known = set(defaults)
-    bad = False
+    unknown = [key for key in options if key not in known]
+    if len(unknown) == 1:
+        (key,) = unknown
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        errors.append(
+            f"model.attention_options.{key} is not an option of attention "
+            f"{model.attention!r}{hint}; its options are {sorted(known)}"
+        )
+    elif unknown:
+        # Typically a preset's options left behind by --config.model.attention=<other>:
+        # one message, not one per option.
+        errors.append(
+            f"model.attention_options {unknown} are not options of attention "
+            f"{model.attention!r} (another mechanism's options, after changing "
+            f"model.attention?); its options are {sorted(known)}"
+        )
+    bad = bool(unknown)
     for key, value in options.items():
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            errors.append(
-                f"model.attention_options.{key} is not an option of attention "
-                f"{model.attention!r}{hint}; its options are {sorted(known)}"
-            )
-            bad = True
             continue
         default = defaults[key]
         if not _type_matches(value, default):

@@ -134,3 +134,28 @@ def test_prepare_builds_each_task_as_array_record(tmp_path):
     assert made["glue/mnli"] == os.path.join(str(tmp_path), "glue/mnli")
     with pytest.raises(ValueError, match="--tasks: 'cola' is not a GLUE task"):
         prepare.prepare(["cola"], str(tmp_path), builder_fn=Builder)
+
+
+def test_prepare_offline_is_one_error_line(tmp_path, capsys, monkeypatch):
+    # No network here: the builder raises what requests raises offline (after TFDS's
+    # retries), and the command must say which dataset failed, in one line, exit 2.
+    import requests
+    import tensorflow_datasets as tfds
+
+    from glue import prepare
+
+    class Offline:
+        def __init__(self, name, data_dir):
+            self.name = name
+
+        def download_and_prepare(self, file_format):
+            raise requests.exceptions.ConnectionError(
+                "Max retries exceeded (Caused by NameResolutionError: Failed to resolve "
+                "'dl.fbaipublicfiles.com')"
+            )
+
+    monkeypatch.setattr(tfds, "builder", Offline)
+    assert prepare.main(["--tasks=sst2", f"--data_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: could not download glue/sst2 ")
+    assert "dl.fbaipublicfiles.com" in err and "needs network access once" in err

@@ -1,0 +1,48 @@
+"""scripts/glue_report.py on input that is not a set of fine-tuning summaries: one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _report_error(capsys, *args: str) -> str:
+    from scripts.glue_report import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_report_errors_name_the_file(tmp_path, capsys):
+    err = _report_error(capsys, str(tmp_path / "glue_*" / "summary.json"))
+    assert "matched no file" in err
+    err = _report_error(capsys, str(tmp_path / "missing.json"))
+    assert "missing.json' does not exist" in err
+    pretrain = tmp_path / "pretrain.json"  # a pretraining run's summary: no mechanism
+    pretrain.write_text(json.dumps({"name": "glue_mlm_sbm", "task": "glue_mlm"}))
+    err = _report_error(capsys, str(pretrain))
+    assert f"{pretrain}: summary of 'glue_mlm_sbm' lacks 'mechanism'" in err
+    assert "not a GLUE fine-tuning run's summary.json?" in err
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{")
+    assert f"{garbled} is not JSON" in _report_error(capsys, str(garbled))
+
+
+def test_report_renders_fine_tuning_summaries(tmp_path, capsys):
+    from scripts.glue_report import main
+
+    paths = []
+    for task, f1, acc in (("glue_sst2", 0.9, 0.91), ("glue_mnli", 0.8, 0.81)):
+        path = tmp_path / f"{task}.json"
+        summary = {"mechanism": "full", "task": task, "headline": f1, "headline_accuracy": acc}
+        path.write_text(json.dumps(summary))
+        paths.append(str(path))
+    assert main(paths) == 0
+    table = capsys.readouterr().out
+    assert "| Full-attention | 90.0 | – | 80.0 | – |" in table.splitlines()
+    assert "| Full-attention | 91.0 | – | 81.0 | – |" in table.splitlines()
