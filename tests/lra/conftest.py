@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "lra")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_in_checkout(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *args`` from the checkout's root, on the CPU, output captured as text
+    (the way a user runs ``python -m lra.prepare``)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lra import input_pipeline, tasks
+from tests.lra.conftest import run_in_checkout
 
 
 def _batches(it, n):
@@ -214,11 +215,6 @@ def test_missing_dataset_message_gives_a_command_that_can_work(task, config, fla
 def test_prepare_reports_an_offline_download_in_one_line():
     # No network here: the download is replaced by the error requests raises offline,
     # and the command must end with one line and exit code 2, not TFDS's traceback.
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (
         "import sys, requests\n"
         "from lra import prepare as p\n"
@@ -230,14 +226,7 @@ def test_prepare_reports_an_offline_download_in_one_line():
         "sys.argv = ['prepare', '--task=text']\n"
         "p.console_main()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_in_checkout("-c", code)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]

@@ -10,6 +10,7 @@ import pytest
 
 from lra import builders, listops_generator, vocab
 from lra.input_pipeline import open_split
+from tests.lra.conftest import run_in_checkout
 
 
 def all_examples(source) -> list:
@@ -334,29 +335,17 @@ def test_sizes_that_cannot_be_met_fail_fast():
 
 
 def test_prepare_command_reports_a_malformed_release_row_in_one_line(fixtures_dir, tmp_path):
-    import subprocess
-    import sys
-
     manual = tmp_path / "manual"
     shutil.copytree(os.path.join(fixtures_dir, "listops"), manual)
     with open(manual / "basic_train.tsv", "a") as f:
         f.write("[MAX 2 9\t9\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lra.prepare",
-            "--task=listops",
-            "--source=release",
-            f"--manual_dir={manual}",
-            f"--data_dir={tmp_path / 'data'}",
-        ],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_in_checkout(
+        "-m",
+        "lra.prepare",
+        "--task=listops",
+        "--source=release",
+        f"--manual_dir={manual}",
+        f"--data_dir={tmp_path / 'data'}",
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
