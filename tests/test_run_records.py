@@ -409,6 +409,30 @@ def test_print_config_lists_the_fields_and_validates(tmp_path):
     assert status == 0 and "--print_config" in out and "To list a preset's fields" in out
 
 
+def test_options_whose_default_is_none_are_set_from_the_command_line(tmp_path):
+    """sparse_fixed's c and stride, reformer's num_buckets and sbm's edge_cost default to
+    None (a rule computes them): the command line still sets them, with their type."""
+    lra = os.path.join(os.path.dirname(SYNTHETIC), "lra", "listops.py")
+    for preset, option, value, shown in (
+        ("sparse_fixed,smoke", "c", "16", "c: 16"),
+        ("sparse_strided,smoke", "stride", "8", "stride: 8"),
+        ("reformer,smoke", "num_buckets", "4", "num_buckets: 4"),
+        ("sbm,smoke", "edge_cost", "3", "edge_cost: 3.0"),  # a float option given an int
+    ):
+        status, out, err = run_train(
+            f"--config={lra}:{preset}",
+            f"--config.model.attention_options.{option}={value}",
+            "--print_config",
+        )
+        assert status == 0, err
+        assert f"\n    {shown}\n" in out, out
+    # A value of the wrong type is still named in one line.
+    status, _, err = run_train(
+        f"--config={lra}:sparse_fixed,smoke", "--config.model.attention_options.c=many"
+    )
+    assert status == 2 and err.count("\n") == 1 and "attention_options.c" in err, err
+
+
 @pytest.mark.slow  # compiles SBM's sparse path: about a minute of CPU
 def test_capacity_buckets_from_the_command_line_and_overflow_is_counted(tmp_path):
     """SBM options the preset does not list (capacity_buckets, max_dense_elements) are

@@ -28,6 +28,7 @@ Contract every registered mechanism keeps (the encoder relies on it):
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
@@ -90,6 +91,20 @@ class Mechanism:
             elif field.default_factory is not dataclasses.MISSING:
                 defaults[key] = field.default_factory()
         return defaults
+
+    def option_type(self, option: str) -> type | None:
+        """The value type of an option whose default may be None (``c: int | None``):
+        ``int``, ``float``, ``str`` or ``bool`` from the field's annotation; None when the
+        annotation names none of them (or the option does not exist)."""
+        field = _fields(self.module).get(option)
+        if field is None:
+            return None
+        names = field.type if isinstance(field.type, str) else repr(field.type)
+        words = set(re.findall(r"[A-Za-z_]+", names))
+        for kind in (bool, int, float, str):  # bool first: "bool | None" is not an int
+            if kind.__name__ in words:
+                return kind
+        return None
 
     def check_options(
         self,

@@ -144,7 +144,8 @@ def _overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
 
 def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
     """Give ``model.attention_options`` every option the command line sets that the
-    preset leaves out, at the mechanism's default (so its type is known)."""
+    preset leaves out, at the mechanism's default (so its type is known; a None default
+    becomes a placeholder of the annotated type)."""
     model = config.get("model")
     if model is None or "attention_options" not in model:
         return
@@ -155,7 +156,8 @@ def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str
     try:
         from sbm_jax.attention.registry import get_mechanism
 
-        defaults = get_mechanism(str(mechanism)).option_defaults()
+        entry = get_mechanism(str(mechanism))
+        defaults = entry.option_defaults()
     except ValueError:
         return
     options = model.attention_options
@@ -167,7 +169,15 @@ def _add_attention_options(config: ml_collections.ConfigDict, argv: Sequence[str
         if "." in name or name in options or name not in defaults:
             continue
         default = defaults[name]
-        if default is not None and not isinstance(default, (bool, int, float, str, tuple)):
+        if default is None:
+            # A None default (sparse_fixed's c, reformer's num_buckets, sbm's edge_cost)
+            # would make a NoneType field, which ml_collections cannot override: a typed
+            # placeholder (None until the flag sets it) can be.
+            kind = entry.option_type(name)
+            if kind is None:
+                continue
+            default = ml_collections.config_dict.placeholder(kind)
+        elif not isinstance(default, (bool, int, float, str, tuple)):
             continue
         with options.unlocked():
             options[name] = default
