@@ -426,6 +426,21 @@ def test_options_whose_default_is_none_are_set_from_the_command_line(tmp_path):
         )
         assert status == 0, err
         assert f"\n    {shown}\n" in out, out
+    # Bad values that the mechanisms check when built (or in validate()) are named in
+    # one line before anything runs, not as a traceback from the first trace.
+    tsa = os.path.join(os.path.dirname(SYNTHETIC), "tsa_text.py")
+    for spec, option, message in (
+        (f"{lra}:sparse_strided,smoke", "impl=blockd", "impl='blockd' must be one of"),
+        (f"{lra}:sparse_fixed,smoke", "c=0", "attention_options.c must be >= 1, got 0"),
+        (f"{lra}:performer,smoke", "kernel=relux", "kernel must be one of ('relu', 'softmax')"),
+        (f"{tsa}:smoke", "damping=1.5", "attention_options.damping=1.5 must lie in (0, 1)"),
+        (f"{tsa}:smoke", "projection=ttt", "attention_options.projection='ttt' must be one"),
+    ):
+        status, _, err = run_train(
+            f"--config={spec}", f"--config.model.attention_options.{option}", "--dry_run"
+        )
+        assert status == 2 and err.count("\n") == 1, err
+        assert err.startswith("error: config.model.") and message in err, err
     # A value of the wrong type is still named in one line.
     status, _, err = run_train(
         f"--config={lra}:sparse_fixed,smoke", "--config.model.attention_options.c=many"

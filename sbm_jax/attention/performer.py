@@ -217,11 +217,8 @@ class PerformerAttention(nn.Module):
         tag = zlib.crc32(path.encode()) & 0x7FFFFFFF
         return jax.random.fold_in(jax.random.key(self.feature_seed), tag)
 
-    @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
-        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        del deterministic  # features follow `redraw` and the `sample` stream instead
-        check_inputs(x, mask)
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too)."""
         check_positive("num_features", self.num_features)
         if self.kernel not in KERNELS:
             raise ValueError(
@@ -231,6 +228,13 @@ class PerformerAttention(nn.Module):
             raise ValueError(
                 f"model.attention_options.kernel_epsilon must be >= 0, got {self.kernel_epsilon}"
             )
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
+        del deterministic  # features follow `redraw` and the `sample` stream instead
+        check_inputs(x, mask)
+        self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         if self.redraw and self.has_rng("sample"):
             key = self.make_rng("sample")

@@ -152,7 +152,9 @@ class TensorizedSpectralAttention(nn.Module):
     tt_rank: int = 2
     use_bias: bool = False
 
-    def _check(self) -> None:
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option; runs before anything is traced (the
+        config check calls it too)."""
         for field in ("num_heads", "head_dim", "out_dim", "tt_rank"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
@@ -212,7 +214,7 @@ class TensorizedSpectralAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x: [batch, length, dim]; mask: [batch, length] bool -> [batch, length, out_dim]."""
-        self._check()
+        self.validate()
         if x.ndim != 3:
             raise ValueError(f"tsa: x has shape {x.shape}; expected [batch, length, dim]")
         if mask.shape != x.shape[:2]:

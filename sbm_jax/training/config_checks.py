@@ -127,24 +127,28 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
             bad = True
     if bad:
         return
-    validate = getattr(cls, "validate", None)
-    if validate is None:
-        return
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     try:
+        # Building the module runs the checks a mechanism makes at construction (the
+        # sparse patterns' impl, stride and c); validate() those it keeps there (SBM, TSA).
         module = cls(
             num_heads=model.get("num_heads"),
             head_dim=model.get("head_dim"),
+            out_dim=model.get("emb_dim"),  # as the encoder builds it
             attention_dropout=model.get("attention_dropout", 0.0),
             **options,
         )
-        module.validate()
+        validate = getattr(module, "validate", None)
+        if validate is not None:
+            validate()
     except (TypeError, ValueError) as e:
         message = str(e)
         name = message.replace("=", " ").split(" ", 1)[0]
-        if name in options or name in known:
+        if message.startswith("model."):  # the module named the field itself
+            errors.append(message)
+        elif name in options or name in known:
             errors.append(f"model.attention_options.{message}")
-        elif name in ("num_heads", "head_dim", "attention_dropout"):
+        elif name in ("num_heads", "head_dim", "out_dim", "attention_dropout"):
             errors.append(f"model.{message}")
         else:
             errors.append(f"model.attention_options (attention {model.attention!r}): {message}")
