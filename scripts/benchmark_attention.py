@@ -641,10 +641,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     except (IndexError, ValueError):
         p.error(f"--layer-cases must look like 4096:0.05, got {args.layer_cases}")
     try:
-        args.layer_options = dict(_option(item) for item in args.layer_options)
+        args.layer_options = layer_options(args.layer_options)
     except ValueError as err:
         p.error(str(err))
+    check_paths(p, args)
     return args
+
+
+def check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One-line errors (both benchmark scripts) for a ``--from-json`` that is not a
+    file and a ``--json`` / ``--markdown`` whose folder does not exist: found before a
+    run that may take many minutes, not after it."""
+    if args.from_json and not os.path.isfile(args.from_json):
+        p.error(f"--from-json: no such file {args.from_json!r}")
+    for flag in ("json", "markdown"):
+        path = getattr(args, flag, None)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            p.error(f"--{flag}: folder {folder!r} does not exist")
+
+
+def layer_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--layer-options`` items (``FIELD=VALUE``) as SBMAttention options, checked as the
+    layer checks them: an unknown field or a bad value is a ValueError naming it, before
+    anything is compiled (a misspelt field used to skip every SBM row and run on)."""
+    from sbm_jax.attention import get_attention
+    from sbm_jax.attention.registry import get_mechanism
+
+    options = dict(_option(item) for item in items)
+    get_mechanism("sbm").check_options(
+        options, given=("num_heads", "head_dim", "out_dim"), field="--layer-options"
+    )
+    get_attention("sbm")(num_heads=1, head_dim=1, **options).validate()
+    return options
 
 
 def _option(item: str) -> tuple[str, Any]:

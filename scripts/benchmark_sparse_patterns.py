@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_attention import (  # noqa: E402
+    check_paths,
     machine,
     machine_text,
     measure_interleaved,
@@ -279,7 +280,14 @@ def write_markdown(path: Path, body: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--layers", nargs="+", default=None, help="labels of LAYERS to run")
+    p.add_argument(
+        "--layers",
+        nargs="+",
+        default=None,
+        choices=[label for label, *_ in LAYERS],
+        metavar="LABEL",
+        help="layers to run (default all): " + ", ".join(label for label, *_ in LAYERS),
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
@@ -298,7 +306,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="instead: time the cores alone at these chunk_elements (0 = unchunked)",
     )
     p.add_argument("--chunk-c", type=int, default=None, help="fixed c for --chunk-sweep")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_paths(p, args)
+    return args
 
 
 def main(argv=None) -> None:

@@ -223,7 +223,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0.0 < args.density <= 1.0:
         p.error(f"--density must lie in (0, 1], got {args.density}")
     try:
-        args.options = dict(bench._option(item) for item in args.layer_options) or None
+        args.options = bench.layer_options(args.layer_options) or None
     except ValueError as err:
         p.error(str(err))
     return args

@@ -232,3 +232,29 @@ def test_sparse_patterns_block_is_rewritten_and_the_prose_after_it_kept(tmp_path
         assert doc.read_text() == (
             f"# B\n\n{sp.SECTION}\n\n{sp.BEGIN}\n{body}{sp.END}\n\nReading it:\n"
         )
+
+
+def test_bad_arguments_stop_before_measuring(bench, tmp_path, capsys):
+    # A misspelt layer option used to skip every SBM row and run on (with the long
+    # runs); a bad path failed with a traceback, after the run for --markdown.
+    sp = load_script("benchmark_sparse_patterns")
+    profile = load_script("profile_layer")
+    cases = [
+        (bench.parse_args, ["--layer-options", "stee=pairs"], "--layer-options.stee is not"),
+        (bench.parse_args, ["--layer-options", "ste=pair"], "ste='pair' is not an estimator"),
+        (profile.parse_args, ["--layer-options", "stee=pairs"], "--layer-options.stee is not"),
+        (bench.parse_args, ["--from-json", str(tmp_path / "nope.json")], "no such file"),
+        (sp.parse_args, ["--from-json", str(tmp_path / "nope.json")], "no such file"),
+        (sp.parse_args, ["--markdown", str(tmp_path / "no" / "x.md")], "does not exist"),
+        (sp.parse_args, ["--layers", "stridedd"], "invalid choice: 'stridedd'"),
+    ]
+    for parse, argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            parse(argv)
+        assert exit_info.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert bench.parse_args(["--layer-options", "ste=pairs", "pair_probes=8"]).layer_options == {
+        "ste": "pairs",
+        "pair_probes": 8,
+    }
+    assert sp.parse_args(["--layers", "strided", "fixed c=8"]).layers == ["strided", "fixed c=8"]

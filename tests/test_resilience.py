@@ -179,3 +179,25 @@ def test_nonfinite_step_halts_with_replayable_state(tmp_path):
     assert (replay["step"], replay["data_index"], replay["state_step"]) == (5, 4, 4)
     assert not replay["finite"] and np.isnan(replay["loss"])
     assert np.isfinite(replay["grad_norm"])  # the poison is a constant: only the loss is NaN
+
+
+def test_replay_from_the_dump_alone(tmp_path):
+    """The replay line the trainer prints (``replay_nonfinite(DIR)``) needs no config or
+    task in hand: both come from the run's config.json, the task by its registered name.
+    A learning rate of 1e38 makes the second step's loss overflow."""
+    from configs import synthetic
+    from sbm_jax.tasks import build_task
+
+    config = synthetic.get_config("full,smoke")
+    config.train.learning_rate = 1e38
+    config.train.warmup_steps = 0
+    config.train.num_steps = 4
+    config.train.log_every = 1
+    with pytest.raises(NonFiniteError) as info:
+        train_and_evaluate(config, build_task(config), str(tmp_path / "run"))
+    error = info.value
+    assert f"replay_nonfinite({error.directory!r})" in str(error)
+    replay = replay_nonfinite(error.directory)
+    assert replay["step"] == error.step and not replay["finite"]
+    with pytest.raises(FileNotFoundError, match="no config.json in"):
+        replay_nonfinite(str(tmp_path / "elsewhere" / "nonfinite" / "step_1"))

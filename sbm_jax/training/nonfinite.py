@@ -100,7 +100,7 @@ def dump_nonfinite(
             "batch": [_batch_file(i, jax.process_count()) for i in range(jax.process_count())],
         },
         "replay": "from sbm_jax.training.nonfinite import replay_nonfinite; "
-        f"replay_nonfinite({directory!r}, config, task)",
+        f"replay_nonfinite({directory!r})",
     }
     if jax.process_index() == 0:
         with open(os.path.join(directory, "info.json"), "w", encoding="utf-8") as f:
@@ -110,13 +110,15 @@ def dump_nonfinite(
         f"grad_norm={info['grad_norm']}); training stopped with the state before that step. "
         f"Saved for replay in {directory}: state/{step - 1}/ (orbax), "
         f"{batch_file} (the step's batch, data_index {step - 1}), info.json. Replay with "
-        f"replay_nonfinite({directory!r}, config, task); set train.halt_on_nonfinite=False "
+        f"replay_nonfinite({directory!r}); set train.halt_on_nonfinite=False "
         "to train through such steps."
     )
     return NonFiniteError(message, step, directory)
 
 
-def replay_nonfinite(directory: str, config: Any, task: Task) -> dict[str, Any]:
+def replay_nonfinite(
+    directory: str, config: Any | None = None, task: Task | None = None
+) -> dict[str, Any]:
     """Recompute a step saved by a ``NonFiniteError`` (``nonfinite/step_<s>/``).
 
     Restores the state from before step ``s``, loads its batch (all processes' rows, put
@@ -124,14 +126,19 @@ def replay_nonfinite(directory: str, config: Any, task: Task) -> dict[str, Any]:
     rng and micro-batches, on one device.
 
     Args:
-      directory: the dump's directory (``NonFiniteError.directory``).
-      config: the run's config (model and train sections as when it failed).
-      task: the run's task (its loss and model inputs).
+      directory: the dump's directory (``NonFiniteError.directory``), in its run's
+        directory as the trainer writes it: ``<run>/nonfinite/step_<s>``.
+      config: the run's config (model and train sections as when it failed); default:
+        the run's ``config.json``.
+      task: the run's task (its loss and model inputs); default: built from ``config``
+        as the command line builds it (the task modules imported by name).
 
     Returns:
       ``{"step", "data_index", "state_step", "loss", "total_loss", "grad_norm",
       "finite"}`` of the replayed step (floats may be nan/inf).
     """
+    if config is None or task is None:
+        config, task = _run_config_and_task(directory, config)
     with open(os.path.join(directory, "info.json"), encoding="utf-8") as f:
         info = json.load(f)
     parts = []
@@ -164,3 +171,25 @@ def replay_nonfinite(directory: str, config: Any, task: Task) -> dict[str, Any]:
         "grad_norm": float(metrics["grad_norm"]),
         "finite": bool(metrics["finite"]),
     }
+
+
+def _run_config_and_task(directory: str, config: Any | None) -> tuple[Any, Task]:
+    """The config (``config.json`` of the run holding ``directory`` unless given) and the
+    task built from it, as ``scripts/train.py`` builds them."""
+    import ml_collections
+
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training.cli import DEFAULT_TASK_MODULES, import_task_modules
+    from sbm_jax.training.run_dir import saved_config
+
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
+    if config is None:
+        saved = saved_config(run_dir)
+        if saved is None:
+            raise FileNotFoundError(
+                f"replay_nonfinite: no config.json in {run_dir} (the run holding "
+                f"{directory}); pass the run's config and task"
+            )
+        config = ml_collections.ConfigDict(saved)
+    import_task_modules(DEFAULT_TASK_MODULES)  # the tasks register by name
+    return config, build_task(config, output_dir=run_dir)
