@@ -321,6 +321,9 @@ def test_gpu_node_local_and_errors(trap_path):
     both = ["train", "--config=c.py", "--data_dir=/d", "--data_bucket=gs://b/d"]
     result = run_script("gpu_node.py", both, path)
     assert result.returncode != 0 and "not both" in result.stderr
+    no_port = [*two[:3], "--output_dir=/nfs/r", "--coordinator=node0", "--dry_run"]
+    result = run_script("gpu_node.py", no_port, path)
+    assert result.returncode != 0 and "--coordinator must be host:port" in result.stderr
     assert not marker.exists()
 
 

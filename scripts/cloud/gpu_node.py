@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--node={args.node} is out of range for {len(args.hosts)} hosts")
     if len(args.hosts) > 1 and not args.coordinator:
         args.coordinator = f"{args.hosts[0].rsplit('@', 1)[-1]}:{DEFAULT_PORT}"
+    if args.coordinator:
+        # Checked here, not only by the trainer on every node once the job has started.
+        host, sep, port = args.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(
+                f"--coordinator must be host:port (e.g. 10.0.0.2:8476), got {args.coordinator!r}"
+            )
     if not args.repo_dir:
         args.repo_dir = DEFAULT_REPO_DIR if args.hosts else REPO_ROOT
     if not args.venv:
