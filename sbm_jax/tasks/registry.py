@@ -7,9 +7,10 @@ synthetic task) without an import cycle.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sbm_jax.training.task import Task
@@ -91,3 +92,32 @@ def build_task(config: Any, output_dir: str | None = None) -> Task:
     if output_dir is not None and "output_dir" in inspect.signature(builder).parameters:
         return builder(config, output_dir=output_dir)
     return builder(config)
+
+
+# Task packages outside the library that register their tasks when imported, by name:
+# the library never imports them otherwise (the command line and replay_nonfinite load
+# them through import_task_modules).
+DEFAULT_TASK_MODULES = ("lra.train_task", "glue.tasks")
+
+# Packages of this project: a task module that fails to import one of these has a bug,
+# which is raised, not skipped.
+PROJECT_PACKAGES = frozenset({"sbm_jax", "lra", "glue", "configs", "scripts", "tests"})
+
+
+def import_task_modules(modules: Sequence[str]) -> dict[str, str]:
+    """Import ``modules`` so that their tasks register; returns ``{module: reason}`` for
+    those skipped because a dependency outside the project is not installed (e.g. GLUE's
+    ``tokenizers`` where only the LRA packages are), so that the other tasks still run.
+
+    Raises:
+      ModuleNotFoundError: a module of the project itself is missing (a bug).
+    """
+    skipped: dict[str, str] = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] in PROJECT_PACKAGES or not e.name:
+                raise
+            skipped[module] = f"no module named {e.name!r}"
+    return skipped

@@ -39,6 +39,11 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from sbm_jax.tasks.registry import (  # noqa: F401  (PROJECT_PACKAGES: re-exported)
+    DEFAULT_TASK_MODULES,
+    PROJECT_PACKAGES,
+    import_task_modules,
+)
 from sbm_jax.training.config_checks import (
     ConfigError,
     closest_field,
@@ -297,37 +302,9 @@ def _without_config_spec(argv: Sequence[str]) -> list[str]:
     return out
 
 
-# Task packages outside the library that register their tasks when imported.
-DEFAULT_TASK_MODULES = ("lra.train_task", "glue.tasks")
-
-
 def console_main() -> None:
     """The ``sbm-train`` console command: ``scripts/train.py`` of an installed package."""
     run(task_modules=DEFAULT_TASK_MODULES)
-
-
-# Packages of this project: a task module that fails to import one of these has a bug,
-# which is raised, not skipped.
-PROJECT_PACKAGES = frozenset({"sbm_jax", "lra", "glue", "configs", "scripts", "tests"})
-
-
-def import_task_modules(modules: Sequence[str]) -> dict[str, str]:
-    """Import ``modules`` so that their tasks register; returns ``{module: reason}`` for
-    those skipped because a dependency outside the project is not installed (e.g. GLUE's
-    ``tokenizers`` where only the LRA packages are), so that the other tasks still run.
-
-    Raises:
-      ModuleNotFoundError: a module of the project itself is missing (a bug).
-    """
-    skipped: dict[str, str] = {}
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] in PROJECT_PACKAGES or not e.name:
-                raise
-            skipped[module] = f"no module named {e.name!r}"
-    return skipped
 
 
 def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None:

@@ -179,7 +179,7 @@ def _run_config_and_task(directory: str, config: Any | None) -> tuple[Any, Task]
     import ml_collections
 
     from sbm_jax.tasks import build_task
-    from sbm_jax.training.cli import DEFAULT_TASK_MODULES, import_task_modules
+    from sbm_jax.tasks.registry import DEFAULT_TASK_MODULES, import_task_modules
     from sbm_jax.training.run_dir import saved_config
 
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
