@@ -39,11 +39,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from sbm_jax.tasks.registry import (  # noqa: F401  (PROJECT_PACKAGES: re-exported)
-    DEFAULT_TASK_MODULES,
-    PROJECT_PACKAGES,
-    import_task_modules,
-)
+from sbm_jax.tasks.registry import DEFAULT_TASK_MODULES, import_task_modules
 from sbm_jax.training.config_checks import (
     ConfigError,
     closest_field,
