@@ -665,14 +665,13 @@ def layer_options(items: Sequence[str]) -> dict[str, Any]:
     """``--layer-options`` items (``FIELD=VALUE``) as SBMAttention options, checked as the
     layer checks them: an unknown field or a bad value is a ValueError naming it, before
     anything is compiled (a misspelt field used to skip every SBM row and run on)."""
-    from sbm_jax.attention import get_attention
-    from sbm_jax.attention.registry import get_mechanism
+    from sbm_jax.attention.registry import build_attention
 
     options = dict(_option(item) for item in items)
-    get_mechanism("sbm").check_options(
-        options, given=("num_heads", "head_dim", "out_dim"), field="--layer-options"
+    layer = build_attention(
+        "sbm", options=options, option_field="--layer-options", num_heads=1, head_dim=1, out_dim=1
     )
-    get_attention("sbm")(num_heads=1, head_dim=1, **options).validate()
+    layer.validate()
     return options
 
 

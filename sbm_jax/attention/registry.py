@@ -203,12 +203,17 @@ def option_defaults(name: str) -> dict[str, Any]:
 
 
 def build_attention(
-    name: str, *, options: dict[str, Any] | None = None, **fields: Any
+    name: str,
+    *,
+    options: dict[str, Any] | None = None,
+    option_field: str = "model.attention_options",
+    **fields: Any,
 ) -> nn.Module:
     """Instantiate mechanism ``name`` with the common ``fields`` and its ``options``.
 
-    Unknown option names fail with a message naming ``model.attention_options.<opt>``.
+    Unknown option names fail with a message naming ``<option_field>.<opt>`` (by default
+    ``model.attention_options.<opt>``, the config field they come from).
     """
     mechanism = get_mechanism(name)
-    options = mechanism.check_options(options, given=fields)
+    options = mechanism.check_options(options, given=fields, field=option_field)
     return mechanism.module(**fields, **options)
