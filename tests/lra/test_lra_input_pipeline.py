@@ -208,6 +208,9 @@ def test_missing_dataset_message_gives_a_command_that_can_work(task, config, fla
     assert needs is None or needs in message, message
     if needs is None:
         assert "DIR" not in message and "network" not in message, message
+
+
+def test_missing_sized_dataset_message_names_its_size_options():
     sized = input_pipeline.prepare_hint("listops", "generated_n2000-200-200_len128-512", "D")
     assert "size options that named 'generated_n2000-200-200_len128-512'" in sized
 
