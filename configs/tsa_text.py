@@ -28,7 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         default_mechanism="tsa",
     )
     config = common.base_config("text", preset)
-    config.name = config.name.replace("lra_text_tsa", "tsa_text")  # run name
+    common.set_run_name(config, "tsa_text", preset)
     model = config.model
     model.architecture = "tsa_classifier"  # the TSA paper's classifier, not the encoder
     model.emb_dim = 16  # embedding size I (a power of two gives the QTT setting, I_n = 2)

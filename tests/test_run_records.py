@@ -407,6 +407,15 @@ def test_print_config_lists_the_fields_and_validates(tmp_path):
     assert status == 0 and "would train a new run in runs/synthetic_sbm_smoke-" in out
     status, out, _ = run_train("--help")
     assert status == 0 and "--print_config" in out and "To list a preset's fields" in out
+    # The LRA run name carries the seed: --config.seed (as configs/lra/common.py's
+    # docstring shows it) names the run as seed= in the preset would; --config.name wins.
+    lra = os.path.join(os.path.dirname(SYNTHETIC), "lra", "listops.py")
+    status, out, err = run_train(f"--config={lra}:sbm,smoke", "--config.seed=3", "--dry_run")
+    assert status == 0 and "new run in runs/lra_listops_sbm_smoke_seed3-" in out, err
+    status, out, err = run_train(
+        f"--config={lra}:sbm,smoke,seed=2", "--config.seed=5", "--config.name=mine", "--dry_run"
+    )
+    assert status == 0 and "new run in runs/mine-" in out, err
 
 
 def test_options_whose_default_is_none_are_set_from_the_command_line(tmp_path):

@@ -74,6 +74,20 @@ def parse(arg: str | None) -> presets.Preset:
     return presets.parse_preset(arg, mechanisms=available(), scales=SCALES, keys=("lambda", "seed"))
 
 
+def set_run_name(config: ml_collections.ConfigDict, stem: str, preset: presets.Preset) -> None:
+    """``config.name = "<stem>[_lambda<lam>][_<scale>]_seed<config.seed>"``, following
+    later changes of the seed.
+
+    The name is a reference to ``config.seed``, so ``--config.seed=1`` on a preset
+    without ``seed=`` names the run ``..._seed1``, as ``seed=1`` in the preset would. An
+    explicit ``--config.name`` still wins.
+    """
+    suffix = "" if preset.scale == "paper" else f"_{preset.scale}"
+    lam_text = f"_lambda{preset.lam:g}" if preset.lam else ""
+    prefix = ml_collections.FieldReference(f"{stem}{lam_text}{suffix}_seed")
+    config.name = prefix + config.get_ref("seed").to_str()  # run name
+
+
 def base_config(task: str, preset: presets.Preset) -> ml_collections.ConfigDict:
     """The full config of LRA ``task`` for ``preset`` (``parse(arg)``)."""
     mechanism, scale, lam, seed = preset.mechanism, preset.scale, preset.lam, preset.seed
@@ -84,10 +98,8 @@ def base_config(task: str, preset: presets.Preset) -> ml_collections.ConfigDict:
         seq_len = 1024  # a 32x32 image is 1024 pixels at every scale (never cut)
 
     config = ml_collections.ConfigDict()
-    suffix = "" if scale == "paper" else f"_{scale}"
-    lam_text = f"_lambda{lam:g}" if lam else ""
-    config.name = f"lra_{task}_{mechanism}{lam_text}{suffix}_seed{seed}"  # run name
     config.seed = seed  # seeds parameters, graph sampling, dropout and data order
+    set_run_name(config, f"lra_{task}_{mechanism}", preset)
     config.output_dir = ""  # "" -> runs/<name>-<timestamp>; an existing run there resumes
     config.init_from = ""  # "" or a run / checkpoint whose parameters start this one
 
