@@ -4,22 +4,38 @@ Presets, chosen after the colon and combined with commas:
   mechanism: ``sbm`` (default; bernoulli edge law, eq. 9), ``sbm_poisson`` (raw fastRG
              law), ``sbm_pairs`` (our estimator that also values unsampled pairs, on the
              dense path, with tied query/key init: the one that reproduces fig. 4),
-             ``full`` (softmax attention)
+             ``full`` (softmax attention), or any other registered mechanism
+             (``performer``, ``local``, ...: its defaults, independent query/key init,
+             budgets scaled to a quarter of the length as scripts/compare_synthetic.py
+             trains them; see :func:`mechanism_options`)
   length:    paper-length by default (N=256, batch 256, 2000 steps), ``quick`` (the
              README's job: a few minutes on a 2-core CPU), ``smoke`` (tiny, seconds)
 
   python scripts/train.py --config=configs/synthetic.py:quick
   python scripts/train.py --config=configs/synthetic.py:full,quick
   python scripts/train.py --config=configs/synthetic.py:sbm --config.train.num_steps=500
+  python scripts/train.py --config=configs/synthetic.py:performer,quick
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_collections
 
 from configs import presets
 
 MECHANISMS = ("sbm", "sbm_poisson", "sbm_pairs", "full")  # sbm_*: presets.VARIANTS
+# Option that bounds each mechanism's budget: its default (256 or 64) is more than a
+# short sequence has, so mechanism_options sets it to a quarter of the length, so that
+# the low-rank and sparse methods stay approximations (256 of 1024 in LRA).
+BUDGET_OPTIONS = {
+    "linformer": "proj_len",
+    "performer": "num_features",
+    "nystromformer": "num_landmarks",
+    "local": "window",
+    "reformer": "chunk_len",
+}
 LENGTHS = ("paper", "quick", "smoke")  # the first: the default
 SCALE = {"paper": "paper", "quick": "reduced", "smoke": "smoke"}  # -> presets.SCALES
 SEQ_LEN = {"paper": 256, "quick": 64, "smoke": 16}  # N per length
@@ -39,10 +55,35 @@ SBM_FIELDS = (
 )
 
 
+def mechanisms() -> tuple[str, ...]:
+    """The accepted mechanism presets: :data:`MECHANISMS`, then every other registered
+    mechanism."""
+    from sbm_jax.attention import available
+
+    return MECHANISMS + tuple(m for m in available() if m not in MECHANISMS)
+
+
 def parse_preset(arg: str | None) -> tuple[str, str]:
     """``"sbm,quick"`` -> ("sbm", "quick"); missing parts take the defaults."""
-    preset = presets.parse_preset(arg, mechanisms=MECHANISMS, scales=LENGTHS)
+    preset = presets.parse_preset(arg, mechanisms=mechanisms(), scales=LENGTHS)
     return preset.mechanism, preset.scale
+
+
+def mechanism_options(name: str, seq_len: int, scale_budgets: bool = True) -> dict[str, Any]:
+    """Attention options of registered mechanism ``name`` on the task at ``seq_len``: its
+    module defaults, with the budget option (:data:`BUDGET_OPTIONS`) set to
+    ``max(2, seq_len // 4)`` unless ``scale_budgets`` is False; Linformer's ``max_len``
+    is ``seq_len``. ``sbm``: the paper-length options on the dense path
+    (``dense_below = seq_len**2``, the fastest at short n on CPU)."""
+    options: dict[str, Any] = {}
+    if name == "sbm":
+        options = sbm_options("bernoulli").to_dict()
+        options["dense_below"] = seq_len * seq_len
+    if scale_budgets and name in BUDGET_OPTIONS:
+        options[BUDGET_OPTIONS[name]] = max(2, seq_len // 4)
+    if name == "linformer":
+        options["max_len"] = seq_len
+    return options
 
 
 def sbm_attention_options(mechanism: str, length: str) -> ml_collections.ConfigDict:
@@ -63,7 +104,7 @@ def sbm_options(edge_law: str) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """Config for ``arg`` = "[sbm|sbm_poisson|sbm_pairs|full][,paper|quick|smoke]"."""
+    """Config for ``arg`` = "[sbm|sbm_poisson|sbm_pairs|full|<mechanism>][,paper|quick|smoke]"."""
     mechanism, length = parse_preset(arg)
     config = ml_collections.ConfigDict()
     seq_len = ml_collections.FieldReference(SEQ_LEN[length])
@@ -101,6 +142,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # needs "tied" here (independent: plateau at 0.82-0.92), and so does sbm_pairs, whose
     # density goes to 1; SBM with eq. 9 needs "independent" (tied: density falls to
     # ~0.12 and the run stays at the 0.63 baseline).
+    # Other mechanisms: independent (reformer shares one projection and tsa has none
+    # to tie; scripts/compare_synthetic.py trains them all so).
     tied = mechanism in ("full", "sbm_pairs")
     config.model.query_key_init = "tied" if tied else "independent"
     config.model.position_embedding = "learned"  # "learned" (std 0.02), "sinusoidal", "none"
@@ -108,9 +151,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if mechanism == "full":
         config.model.attention = "full"  # registry name of the attention mechanism
         config.model.attention_options = ml_collections.ConfigDict()  # full has no options
-    else:
+    elif mechanism in MECHANISMS:
         config.model.attention = "sbm"  # registry name of the attention mechanism
         config.model.attention_options = sbm_attention_options(mechanism, length)  # SBM's own
+    else:
+        config.model.attention = mechanism  # registry name of the attention mechanism
+        config.model.attention_options = ml_collections.ConfigDict(
+            mechanism_options(mechanism, SEQ_LEN[length])  # defaults, budgets scaled
+        )
 
     config.train = ml_collections.ConfigDict()
     config.train.batch_size = 256  # sequences per step, a new batch every step (paper: 256)

@@ -46,28 +46,6 @@ from sbm_jax.analysis import LRA_SEQ_LENS, flops_table  # noqa: E402
 from sbm_jax.attention import available  # noqa: E402
 from sbm_jax.training import run_training  # noqa: E402
 
-# Option that bounds each mechanism's budget (set to seq_len // 4 at reduced length).
-BUDGET_OPTIONS = {
-    "linformer": "proj_len",
-    "performer": "num_features",
-    "nystromformer": "num_landmarks",
-    "local": "window",
-    "reformer": "chunk_len",
-}
-
-
-def mechanism_options(name: str, seq_len: int, scale_budgets: bool = True) -> dict[str, Any]:
-    """Attention options used for ``name`` at ``seq_len`` (see the module docstring)."""
-    options: dict[str, Any] = {}
-    if name in ("sbm",):
-        options = synthetic.sbm_options("bernoulli").to_dict()
-        options["dense_below"] = seq_len * seq_len  # dense path: fastest at short n on CPU
-    if scale_budgets and name in BUDGET_OPTIONS:
-        options[BUDGET_OPTIONS[name]] = max(2, seq_len // 4)
-    if name == "linformer":
-        options["max_len"] = seq_len
-    return options
-
 
 def make_config(
     name: str, *, steps: int, seq_len: int, batch_size: int, seed: int, scale_budgets: bool
@@ -88,7 +66,7 @@ def make_config(
     # query and key projections (reformer's shared QK, tsa).
     config.model.query_key_init = "independent"
     config.model.attention_options = ml_collections.ConfigDict(
-        mechanism_options(name, seq_len, scale_budgets)
+        synthetic.mechanism_options(name, seq_len, scale_budgets)
     )
     return config
 
@@ -237,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summary["mechanism"] = name
         summary["options"] = config.model.attention_options.to_dict()
         summary["shown"] = sorted(
-            set(config.model.attention_options) & set(BUDGET_OPTIONS.values())
+            set(config.model.attention_options) & set(synthetic.BUDGET_OPTIONS.values())
         )
         runs.append(summary)
         ev = summary.get("eval") or {}

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from configs import synthetic
 from tests.scripts_testing import load_script
 
 
@@ -43,10 +44,9 @@ def test_compare_synthetic_rejects_unknown_mechanism(tmp_path):
 
 
 def test_budget_options_shrink_with_length():
-    script = load_script("compare_synthetic")
-    assert script.mechanism_options("linformer", 64) == {"proj_len": 16, "max_len": 64}
-    assert script.mechanism_options("performer", 64, scale_budgets=False) == {}
-    sbm = script.mechanism_options("sbm", 64)
+    assert synthetic.mechanism_options("linformer", 64) == {"proj_len": 16, "max_len": 64}
+    assert synthetic.mechanism_options("performer", 64, scale_budgets=False) == {}
+    sbm = synthetic.mechanism_options("sbm", 64)
     assert sbm["dense_below"] == 64 * 64 and sbm["num_clusters"] == 128
 
 
@@ -71,3 +71,24 @@ def test_every_mechanism_builds_from_independent_projections():
         model = build_model(config.model, task.head)
         state = create_train_state(config, model, task, next(task.train_batches(0)))
         assert jax.tree.leaves(state.params), name
+
+
+def test_every_mechanism_is_a_synthetic_preset():
+    """``configs/synthetic.py:<mechanism>,quick`` for every registered mechanism: its
+    defaults with the budget scaled to the length (as the comparison trains it),
+    independent init, and a config that passes the trainer's start-up check."""
+    from sbm_jax.attention import available
+    from sbm_jax.training import validate_config
+
+    assert set(available()) <= set(synthetic.mechanisms())
+    for name in available():
+        if name in synthetic.MECHANISMS:
+            continue
+        config = synthetic.get_config(f"{name},quick")
+        assert config.model.attention == name and config.name == f"synthetic_{name}_quick"
+        assert config.model.query_key_init == "independent", name
+        assert config.model.attention_options.to_dict() == synthetic.mechanism_options(name, 64)
+        validate_config(config)
+    assert synthetic.get_config("performer,quick").model.attention_options.num_features == 16
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        synthetic.get_config("nope,quick")
