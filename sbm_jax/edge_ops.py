@@ -41,6 +41,7 @@ def edge_scores(q: jax.Array, k: jax.Array, edges: EdgeList) -> jax.Array:
 
     Scores and the softmax statistics are float32 whatever the input dtype (bf16 inputs
     keep float32 softmax statistics)."""
+    edges.check_operands(q.shape[0], k.shape[0])
     f32 = jnp.float32
     s = jnp.sum(q[edges.rows].astype(f32) * k[edges.cols].astype(f32), axis=-1)
     s = s / math.sqrt(q.shape[-1])
@@ -106,6 +107,7 @@ def edge_attention(
       exactly 0. Empty slots contribute nothing and receive zero gradient.
     """
     _check_qkv(q, k, v)
+    edges.check_operands(q.shape[0], k.shape[0], edge_scale=edge_scale, edge_bias=edge_bias)
     if impl != "segment":
         if impl not in KERNELS:
             choices = ("segment", *KERNELS)

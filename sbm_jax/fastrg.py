@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -781,6 +782,8 @@ def edges_from_keys(keys: jax.Array, n: int, m: int, probs: jax.Array | None = N
         valid=valid,
         probs=probs,
         num_edges=jnp.sum(valid).astype(jnp.int32),
+        num_rows=int(n),
+        num_cols=int(m),
     )
 
 
@@ -1049,8 +1052,9 @@ def sample_sbm_graph(
         )
     if k < 1:
         raise ValueError(f"number of clusters k must be >= 1, got {k}")
-    if not isinstance(capacity, int) or capacity < 1:
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    capacity = int(capacity)
     if not isinstance(delta, jax.Array) and delta < 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     n, m = q_memberships.shape[0], k_memberships.shape[0]

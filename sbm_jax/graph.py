@@ -27,6 +27,10 @@ class EdgeList(PyTreeDataclass):
       num_edges: ``[] int32`` number of valid (unique) edges.
       num_draws: ``[] int32`` Poisson draws of fastRG before duplicates were collapsed.
       overflow: ``[] bool`` True when the draws exceeded the capacity, so edges were lost.
+      num_rows, num_cols: the graph's ``n`` queries and ``m`` keys (static; ``None`` when
+        the maker did not say). The sampler sets them, and the edge kernels check them
+        against ``q`` and ``k``: an out-of-range index would otherwise be clamped or
+        dropped silently under ``jit``.
     """
 
     rows: jax.Array
@@ -36,8 +40,33 @@ class EdgeList(PyTreeDataclass):
     num_edges: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
     num_draws: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
     overflow: jax.Array = dataclasses.field(default_factory=lambda: np.bool_(False))
+    num_rows: int | None = dataclasses.field(default=None, metadata={"static": True})
+    num_cols: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def capacity(self) -> int:
         """Number of slots ``C`` (static)."""
         return self.rows.shape[-1]
+
+    def check_operands(
+        self,
+        num_queries: int,
+        num_keys: int,
+        **per_slot: jax.Array | None,
+    ) -> None:
+        """Raise a ValueError unless ``q`` has the graph's ``num_rows`` rows, ``k`` its
+        ``num_cols`` (where the graph records them), and every array in ``per_slot``
+        (``edge_scale=...``; ``None`` skipped) is ``[C]``."""
+        if self.num_rows is not None and num_queries != self.num_rows:
+            raise ValueError(
+                f"q has {num_queries} rows but the graph was sampled for {self.num_rows} queries"
+            )
+        if self.num_cols is not None and num_keys != self.num_cols:
+            raise ValueError(
+                f"k has {num_keys} rows but the graph was sampled for {self.num_cols} keys"
+            )
+        for name, array in per_slot.items():
+            if array is not None and tuple(array.shape) != (self.capacity,):
+                raise ValueError(
+                    f"{name} must be [C] = [{self.capacity}] (one per slot), got {array.shape}"
+                )

@@ -169,3 +169,34 @@ def test_edge_attention_under_vmap_and_jit():
     out = jax.jit(jax.vmap(lambda e: edge_attention(q, k, v, e)))(batched)
     ref = dense_masked_attention(q, k, v, jnp.asarray(mask))
     np.testing.assert_allclose(out[1], ref, atol=1e-5)
+
+
+def test_operands_that_do_not_fit_the_graph_are_named():
+    """The sampler records the graph's n and m: q, k or a per-slot array of another size
+    is a ValueError before tracing (under jit a stray index would be clamped or dropped
+    silently), for the reference and for the rows kernel. A hand-made EdgeList without
+    n and m is still accepted."""
+    import pytest
+
+    from sbm_jax import sample_sbm_graph
+
+    n, k = 16, 4
+    memberships = jnp.full((n, k), 0.5)
+    edges = sample_sbm_graph(
+        jax.random.PRNGKey(0), memberships, jnp.full((k, k), 1 / 16), memberships, capacity=256
+    )
+    assert (edges.num_rows, edges.num_cols) == (n, n)
+    x = jnp.ones((n, 4))
+    for impl in ("segment", "rows"):
+        with pytest.raises(ValueError, match="q has 8 rows but the graph was sampled for 16"):
+            edge_attention(x[:8], x, x, edges, impl=impl)
+        with pytest.raises(ValueError, match="k has 4 rows but the graph was sampled for 16"):
+            edge_attention(x, x[:4], x[:4], edges, impl=impl)
+        with pytest.raises(ValueError, match=r"edge_scale must be \[C\] = \[256\]"):
+            edge_attention(x, x, x, edges, impl=impl, edge_scale=jnp.ones((3,)))
+        with pytest.raises(ValueError, match=r"edge_bias must be \[C\] = \[256\]"):
+            edge_attention(x, x, x, edges, impl=impl, edge_bias=jnp.ones((256, 1)))
+        assert edge_attention(x, x, x, edges, impl=impl).shape == (n, 4)
+    mask, q, kk, v, _ = _setup()
+    out = edge_attention(q, kk, v, _edges_from_mask(mask, 64))
+    assert out.shape == (N, DV)

@@ -156,3 +156,37 @@ def test_register_keeps_one_entry_per_name(monkeypatch):
 
     with pytest.raises(TypeError, match="lacks the fields"):
         register("no_heads")(NoHeads)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_every_mechanism_names_a_bad_field_or_input_before_tracing(name):
+    """The fields all mechanisms share and the input shapes are checked the same way
+    everywhere: a ValueError naming the field (a zero head count used to surface as a
+    ZeroDivisionError in an initializer, a rank-2 x as a message about the mask or a
+    chex AssertionError, an empty sequence from a reduction inside jax, attention
+    dropout 1.5 as an all-zero output)."""
+    options = dict(next(o for n, o in PARAM_CASES if n == name))
+    x, mask = jnp.ones((2, 12, 8)), jnp.ones((2, 12), bool)
+    rngs = {"params": jax.random.PRNGKey(0), "sample": jax.random.PRNGKey(1)}
+
+    def init(x=x, mask=mask, **fields):
+        kwargs = dict(num_heads=2, head_dim=4, out_dim=8) | fields
+        layer = build_attention(name, options=options, **kwargs)
+        return layer.init(rngs, x, mask, deterministic=True)
+
+    for field, value in (("num_heads", 0), ("head_dim", 0), ("out_dim", -1)):
+        with pytest.raises(ValueError, match=f"{field} must be an int >= 1, got {value}"):
+            init(**{field: value})
+    with pytest.raises(ValueError, match=r"attention_dropout must lie in \[0, 1\), got 1.5"):
+        init(attention_dropout=1.5)
+    with pytest.raises(ValueError, match=r"x must be \[batch, length, dim\], got shape \(12, 8\)"):
+        init(x=x[0], mask=mask[0])
+    with pytest.raises(ValueError, match="at least one position"):
+        init(x=x[:, :0], mask=mask[:, :0])
+    with pytest.raises(ValueError, match=r"mask shape \(2, 11\) must equal"):
+        init(mask=mask[:, :11])
+    # A NumPy integer is an int (configs read from YAML or arrays give them).
+    import numpy as np
+
+    variables = init(num_heads=np.int64(2))
+    assert jax.tree.leaves(variables)

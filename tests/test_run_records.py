@@ -234,7 +234,7 @@ def test_sigterm_saves_and_the_resumed_run_repeats_the_losses(tmp_path, shared_c
 BAD_INPUTS = [
     (
         ("--config.model.attention_options.delta=-1",),
-        "config.model.attention_options.delta must be >= 0, got -1",
+        "config.model.attention_options.delta must lie in [0, 1] (a probability), got -1",
     ),
     (
         ("--config.model.attention_options.edge_law=gauss",),
@@ -402,7 +402,7 @@ def test_print_config_lists_the_fields_and_validates(tmp_path):
         "--config.model.attention_options.delta=-1",
         "--print_config",
     )
-    assert status == 2 and "delta: -1" in out and "delta must be >= 0" in err
+    assert status == 2 and "delta: -1" in out and "delta must lie in [0, 1]" in err
     status, out, err = run_train(f"--config={SYNTHETIC}:sbm,smoke", "--dry_run")
     assert status == 0 and "would train a new run in runs/synthetic_sbm_smoke-" in out
     status, out, _ = run_train("--help")

@@ -783,3 +783,25 @@ def test_pairs_estimator_gives_the_density_its_exact_gradient(impl):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7, err_msg=name)
             if name == "clusters":
                 assert not np.allclose(c, b, rtol=0.05), "eq. 9 should not give the same"
+
+
+def test_sbm_fields_of_the_wrong_type_or_range_are_named():
+    """delta is a probability; window and the integer fields take NumPy integers but not
+    floats or strings; the message names the field (a string delta used to fail in a
+    comparison inside validate)."""
+    import numpy as np
+    import pytest
+
+    from sbm_jax import SBMAttention
+
+    base = dict(num_heads=2, head_dim=4, num_clusters=4)
+    for field, value, message in (
+        ("delta", "0.1", r"delta must lie in \[0, 1\] \(a probability\), got '0.1'"),
+        ("delta", 2.0, r"delta must lie in \[0, 1\] \(a probability\), got 2.0"),
+        ("window", 2.5, "window must be an int >= 0, got 2.5"),
+        ("num_clusters", 4.0, "num_clusters must be an int >= 1, got 4.0"),
+        ("out_dim", 0, "out_dim must be an int >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SBMAttention(**(base | {field: value})).validate()
+    SBMAttention(**(base | {"num_clusters": np.int64(4), "window": np.int32(2)})).validate()

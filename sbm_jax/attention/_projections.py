@@ -15,6 +15,7 @@ returns the parameters boxed (``nn.Partitioned``); ``nn.unbox`` gives the plain 
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import flax.linen as nn
@@ -70,12 +71,43 @@ def out_dense(out_dim: int, dtype: Any, name: str = "out") -> nn.DenseGeneral:
     )
 
 
+def check_int(field: str, value: Any, minimum: int = 1) -> None:
+    """Raise a ValueError naming ``field`` unless ``value`` is an integer (Python or
+    NumPy; not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
+
+
+def check_fields(module: nn.Module) -> None:
+    """The fields every mechanism has: ``num_heads``, ``head_dim`` and ``out_dim`` ints
+    >= 1 (``out_dim`` may be None where the module defaults it to the input width) and
+    ``attention_dropout`` (where the module has it) in [0, 1). Raises a ValueError naming
+    the field, before anything is traced."""
+    check_int("num_heads", module.num_heads)
+    check_int("head_dim", module.head_dim)
+    if getattr(module, "out_dim", None) is not None:
+        check_int("out_dim", module.out_dim)
+    rate = getattr(module, "attention_dropout", 0.0)
+    if not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"attention_dropout must lie in [0, 1), got {rate!r}")
+
+
 def check_inputs(x: Array, mask: Array) -> None:
-    """Raise a ValueError unless x is [batch, length, dim] and mask is [batch, length]."""
+    """Raise a ValueError unless x is [batch, length, dim] with length >= 1 and mask is
+    [batch, length]."""
     if x.ndim != 3:
         raise ValueError(f"x must be [batch, length, dim], got shape {x.shape}")
+    if x.shape[1] < 1:
+        raise ValueError(f"x must have at least one position (length >= 1), got shape {x.shape}")
     if mask.shape != x.shape[:2]:
         raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+
+
+def check_call(module: nn.Module, x: Array, mask: Array) -> None:
+    """:func:`check_fields` and :func:`check_inputs`: the first lines of every
+    mechanism's ``__call__``."""
+    check_fields(module)
+    check_inputs(x, mask)
 
 
 def check_positive(name: str, value: int) -> None:

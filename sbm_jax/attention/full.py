@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import head_dense, out_dense
+from sbm_jax.attention._projections import check_call, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
@@ -68,8 +68,7 @@ class FullAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [batch, length, dim], mask [batch, length] bool -> [batch, length, out_dim]."""
-        chex.assert_rank(x, 3)
-        chex.assert_shape(mask, x.shape[:2])
+        check_call(self, x, mask)
         batch, length, _ = x.shape
         mask = mask.astype(jnp.bool_)
 

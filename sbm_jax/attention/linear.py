@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_inputs, compute_dtype, project_out, project_qkv
+from sbm_jax.attention._projections import check_call, compute_dtype, project_out, project_qkv
 from sbm_jax.attention.counting import projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
@@ -94,7 +94,7 @@ class LinearAttention(nn.Module):
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         del deterministic  # no randomness: attention weights are never formed
-        check_inputs(x, mask)
+        check_call(self, x, mask)
         if self.eps < 0:
             raise ValueError(f"model.attention_options.eps must be >= 0, got {self.eps}")
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    check_inputs,
+    check_call,
     check_positive,
     compute_dtype,
     dropout_weights,
@@ -110,7 +110,7 @@ class LinformerAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_inputs(x, mask)
+        check_call(self, x, mask)
         check_positive("proj_len", self.proj_len)
         check_positive("max_len", self.max_len)
         length = x.shape[1]

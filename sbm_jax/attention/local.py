@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import head_dense, out_dense
+from sbm_jax.attention._projections import check_call, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.masked import masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -160,8 +160,7 @@ class LocalAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        if mask.shape != x.shape[:2]:
-            raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+        check_call(self, x, mask)
         if self.window < 0:
             raise ValueError(f"model.attention_options.window must be >= 0, got {self.window}")
         q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)

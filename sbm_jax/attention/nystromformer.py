@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
     HEADS,
-    check_inputs,
+    check_call,
     check_positive,
     compute_dtype,
     dropout_weights,
@@ -199,7 +199,7 @@ class NystromformerAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_inputs(x, mask)
+        check_call(self, x, mask)
         check_positive("num_landmarks", self.num_landmarks)
         if self.pinv_iterations < 0:
             raise ValueError(

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    check_inputs,
+    check_call,
     check_positive,
     compute_dtype,
     project_out,
@@ -233,7 +233,7 @@ class PerformerAttention(nn.Module):
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         del deterministic  # features follow `redraw` and the `sample` stream instead
-        check_inputs(x, mask)
+        check_call(self, x, mask)
         self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         if self.redraw and self.has_rng("sample"):

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import head_dense, out_dense
+from sbm_jax.attention._projections import check_call, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
@@ -228,8 +228,7 @@ class ReformerAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        if mask.shape != x.shape[:2]:
-            raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+        check_call(self, x, mask)
         if self.num_hashes < 1:
             raise ValueError(
                 f"model.attention_options.num_hashes must be >= 1, got {self.num_hashes}"

@@ -6,11 +6,19 @@ Contract every registered mechanism keeps (the encoder relies on it):
   ``num_heads: int``, ``head_dim: int``, ``out_dim: int`` (model width),
   ``attention_dropout: float`` and ``dtype`` (compute dtype), plus its own options
   (each with a default), which come from ``config.model.attention_options``.
+  ``SBMAttention`` alone also has defaults for them (``out_dim=None``: the input
+  width), so ``SBMAttention(num_heads=2, head_dim=32)`` works standalone; the others
+  need ``out_dim``.
 * ``__call__(x, mask, *, deterministic)`` with ``x [batch, length, dim]`` and
   ``mask [batch, length]`` (bool, True for real tokens) returns
   ``[batch, length, out_dim]``. Padded positions never influence real positions.
+  (``SBMAttention`` defaults ``mask=None``, all real, and ``deterministic=True``.)
+  Bad shared fields and input shapes are a ValueError naming them, raised before
+  anything is traced (``sbm_jax.attention._projections.check_call``).
 * Randomness only from the named rng streams ``dropout`` and ``sample``.
-* Statistics for logging go to the ``attention_stats`` collection with ``self.sow``:
+* Statistics for logging go to the ``attention_stats`` collection with ``self.sow``,
+  where the mechanism has them (mechanisms that never form a graph or weights, such
+  as linear, linformer, nystromformer, performer and reformer, sow nothing):
   ``density [batch, heads]`` (differentiable where the mechanism's density is, e.g.
   SBM through the straight-through estimator) and ``edges [batch, heads]``. A mechanism
   may sow more entries under other names; the trainer reads ``density``, ``edges`` and

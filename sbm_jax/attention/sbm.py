@@ -18,6 +18,7 @@ whose draws exceeded the largest bucket.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -29,7 +30,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax._scopes import MEMBERSHIPS, SAMPLE
 from sbm_jax._varying import vary_like
-from sbm_jax.attention._projections import HEADS, KV, head_dense, named, out_dense
+from sbm_jax.attention._projections import (
+    HEADS,
+    KV,
+    check_fields,
+    check_inputs,
+    check_int,
+    head_dense,
+    named,
+    out_dense,
+)
 from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
@@ -727,12 +737,11 @@ class SBMAttention(nn.Module):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
-        for field in ("num_heads", "head_dim", "num_clusters", "pair_probes"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
-        if self.delta < 0:
-            raise ValueError(f"delta must be >= 0, got {self.delta}")
+        check_fields(self)  # num_heads, head_dim, out_dim, attention_dropout
+        for field in ("num_clusters", "pair_probes"):
+            check_int(field, getattr(self, field))
+        if not isinstance(self.delta, numbers.Real) or not 0.0 <= self.delta <= 1.0:
+            raise ValueError(f"delta must lie in [0, 1] (a probability), got {self.delta!r}")
         check_law(self.edge_law, "edge_law")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
@@ -743,8 +752,6 @@ class SBMAttention(nn.Module):
             raise ValueError(f"capacity_buckets must lie in (0, 1], got {buckets}")
         if any(b <= a for a, b in zip(buckets, buckets[1:], strict=False)):
             raise ValueError(f"capacity_buckets must be strictly increasing, got {buckets}")
-        if not 0.0 <= self.attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout must lie in [0, 1), got {self.attention_dropout}")
         if self.cluster_init not in CLUSTER_INITS:
             raise ValueError(f"cluster_init={self.cluster_init!r} is not one of {CLUSTER_INITS}")
         if self.edge_cost is not None and not self.edge_cost > 0:
@@ -752,25 +759,18 @@ class SBMAttention(nn.Module):
         if self.kernel not in EDGE_KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
         check_ste(self.ste, "ste")
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
-        for field in ("max_dense_elements", "max_edge_slots", "dense_below"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{field} must be an int >= 0, got {value!r}")
+        for field in ("window", "max_dense_elements", "max_edge_slots", "dense_below"):
+            check_int(field, getattr(self, field), minimum=0)
 
     @nn.compact
     def __call__(
         self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True
     ) -> jax.Array:
         self.validate()
-        if x.ndim != 3:
-            raise ValueError(f"SBMAttention expects x [batch, length, dim], got {x.shape}")
+        if mask is None and x.ndim == 3:
+            mask = jnp.ones(x.shape[:2], bool)
+        check_inputs(x, mask)
         batch, length, dim = x.shape
-        if mask is None:
-            mask = jnp.ones((batch, length), bool)
-        if mask.shape != (batch, length):
-            raise ValueError(f"mask must have shape {(batch, length)}, got {mask.shape}")
         mask = mask.astype(bool)
         heads, hd, k = self.num_heads, self.head_dim, self.num_clusters
         out_dim = self.out_dim or dim

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbm_jax.attention._projections import head_dense, out_dense
+from sbm_jax.attention._projections import check_call, head_dense, out_dense
 from sbm_jax.attention.counting import edge_flops, projection_flops, projection_params
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -254,8 +254,7 @@ class _PatternAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        if mask.shape != x.shape[:2]:
-            raise ValueError(f"mask shape {mask.shape} must equal x.shape[:2]={x.shape[:2]}")
+        check_call(self, x, mask)
         n = x.shape[1]
         options = self.blocked_options(n)  # validates the options before any tracing
         q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)

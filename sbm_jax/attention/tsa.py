@@ -27,7 +27,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import HEADS, head_dense, named
+from sbm_jax.attention._projections import (
+    HEADS,
+    check_call,
+    check_fields,
+    check_int,
+    head_dense,
+    named,
+)
 from sbm_jax.attention.counting import projection_flops
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.layers.tt import (
@@ -155,10 +162,8 @@ class TensorizedSpectralAttention(nn.Module):
     def validate(self) -> None:
         """Raise ValueError naming the bad option; runs before anything is traced (the
         config check calls it too)."""
-        for field in ("num_heads", "head_dim", "out_dim", "tt_rank"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"tsa: {field}={value!r} must be a positive integer")
+        check_fields(self)  # num_heads, head_dim, out_dim, attention_dropout
+        check_int("model.attention_options.tt_rank", self.tt_rank)
         if not 0.0 < float(self.damping) < 1.0:
             raise ValueError(
                 f"model.attention_options.damping={self.damping!r} must lie in (0, 1) "
@@ -168,10 +173,6 @@ class TensorizedSpectralAttention(nn.Module):
             raise ValueError(
                 f"model.attention_options.projection={self.projection!r} must be one of "
                 f"{PROJECTIONS}"
-            )
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(
-                f"tsa: attention_dropout={self.attention_dropout!r} must lie in [0, 1)"
             )
 
     def _head_projection(self, name: str, in_dim: int) -> nn.Module:
@@ -215,10 +216,7 @@ class TensorizedSpectralAttention(nn.Module):
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x: [batch, length, dim]; mask: [batch, length] bool -> [batch, length, out_dim]."""
         self.validate()
-        if x.ndim != 3:
-            raise ValueError(f"tsa: x has shape {x.shape}; expected [batch, length, dim]")
-        if mask.shape != x.shape[:2]:
-            raise ValueError(f"tsa: mask has shape {mask.shape}; expected {x.shape[:2]}")
+        check_call(self, x, mask)
         mask = mask.astype(bool)
         x = x.astype(self.dtype)
 

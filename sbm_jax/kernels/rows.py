@@ -378,6 +378,7 @@ def rows_edge_attention(
       slots get zero gradient.
     """
     n = q.shape[0]
+    edges.check_operands(n, k.shape[0], edge_scale=edge_scale, edge_bias=edge_bias)
     cap = edges.capacity
     r = default_slots_per_row(cap, n) if slots_per_row is None else int(slots_per_row)
     if r < 1:

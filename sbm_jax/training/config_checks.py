@@ -4,7 +4,8 @@
 every attention option, ``train``, ``checkpoint``, ``mesh``), without building a model,
 touching data or creating a directory; ``validate_config`` raises them as one
 ``ConfigError`` on one line, each message starting with the field as it is written on
-the command line (``config.model.attention_options.delta must be >= 0, got -1``).
+the command line (``config.model.attention_options.delta must lie in [0, 1] (a
+probability), got -1``).
 ``closest_field`` names the nearest existing field for an unknown one.
 
 Decisions:
