@@ -133,7 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.classifier_dim = 32  # hidden width of sequence heads (unused here)
     config.model.num_classes = 2  # repeated or not, softmax cross-entropy per token
     config.model.token_head_dim = 0  # 0: the token head is one Dense layer
-    config.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+    config.model.dtype = "float32"  # compute dtype: float32, bfloat16 (float16: no loss scaling)
     config.model.remat = False  # recompute each block in the backward pass (saves memory)
     # Sparse Transformer init: attention out and MLP fc2 kernels x 1/sqrt(2 * num_layers)
     config.model.scaled_residual_init = False

@@ -76,3 +76,53 @@ def test_config_dict_meta_is_not_required(tmp_path):
     ckpts.save_latest(_state(), meta)
     assert ckpts.restore_latest(_state())[1] == {"a": 1}
     ckpts.close()
+
+
+def test_an_unreadable_latest_checkpoint_is_set_aside_for_the_one_before(tmp_path):
+    """A truncated meta or state file of the newest checkpoint: the restore takes the
+    one before, moves the damaged one (kept) out of orbax's view and reports it; a
+    later save at its step then really saves. None readable: one error naming them."""
+    import os
+
+    from sbm_jax.training.checkpoints import CheckpointError
+
+    ckpts = RunCheckpoints(str(tmp_path), max_to_keep=3)
+    state = _state()
+    for i in range(3):
+        state = _step(state)
+        ckpts.save_latest(state, {"i": i})
+    ckpts.close()
+    meta_file = tmp_path / "latest" / "3" / "meta" / "metadata"
+    meta_file.write_text(meta_file.read_text()[:5])  # a torn JSON write
+    state_dir = tmp_path / "latest" / "2" / "state"
+    biggest = max((p for p in state_dir.rglob("*") if p.is_file()), key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.truncate(max(1, os.path.getsize(biggest) // 3))
+
+    ckpts = RunCheckpoints(str(tmp_path), max_to_keep=3)
+    reported = []
+    restored, meta = ckpts.restore_latest(_state(1), on_unreadable=lambda *a: reported.append(a))
+    assert int(restored.step) == 1 and meta == {"i": 0}
+    assert [step for step, _, _ in reported] == [3, 2]
+    for step, moved, _ in reported:
+        assert moved == str(tmp_path / "unreadable" / f"latest-{step}") and os.path.isdir(moved)
+    assert ckpts.latest_step() == 1
+    ckpts.save_latest(_step(_step(restored)), {"i": 1})  # step 3 again: saved, not skipped
+    assert ckpts.latest_step() == 3
+    ckpts.close()
+
+    (tmp_path / "latest" / "1" / "meta" / "metadata").write_text("{")
+    (tmp_path / "latest" / "3" / "meta" / "metadata").write_text("{")
+    ckpts = RunCheckpoints(str(tmp_path), max_to_keep=3)
+    with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*steps \[3, 1\]"):
+        ckpts.restore_latest(_state())
+    ckpts.close()
+
+
+def test_a_best_checkpoint_after_the_resumed_step_is_dropped(tmp_path):
+    ckpts = RunCheckpoints(str(tmp_path))
+    state = _step(_step(_state()))
+    ckpts.save_best(state, {"best_step": 2})
+    assert ckpts.drop_best_after(2) is None and ckpts.best_step() == 2
+    assert ckpts.drop_best_after(1) == 2 and ckpts.best_step() is None
+    ckpts.close()

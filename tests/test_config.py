@@ -74,8 +74,48 @@ def test_heads_times_head_dim_must_equal_width():
 def test_batch_not_multiple_of_devices_names_train_batch_size():
     config = base()
     config.train.batch_size = 10
-    expect_error(config, "train.batch_size=10", device_count=4)
+    expect_error(
+        config,
+        "train.batch_size=10 is not a multiple of 4, the devices on the mesh's data axis",
+        device_count=4,
+    )
     validate_config(config, head="token", device_count=2)  # 10 = 5 x 2 is fine
+
+
+def test_float16_full_attention_is_refused_on_cpu_only():
+    import jax
+
+    config = base()
+    config.model.dtype = "float16"
+    if jax.default_backend() == "cpu":
+        expect_error(
+            config, "model.dtype='float16' with model.attention='full' does not run on CPU"
+        )
+    else:
+        validate_config(config, head="token", device_count=1)
+
+
+def test_encoder_aids_are_fields_of_every_encoder_config():
+    """docs/mechanisms.md offers model.remat and model.scaled_residual_init for every
+    mechanism: every config with an encoder has them (off), so the command line sets
+    them; the TSA classifier has no encoder blocks and no such fields."""
+    from configs import tsa_text
+    from configs.glue import finetune, pretrain
+    from configs.lra import image, listops, pathfinder, retrieval, text
+
+    for module in (
+        listops,
+        text,
+        retrieval,
+        image,
+        pathfinder,
+        finetune,
+        pretrain,
+        synthetic_config,
+    ):
+        config = module.get_config("sbm,smoke")
+        assert config.model.remat is False and config.model.scaled_residual_init is False
+    assert "remat" not in tsa_text.get_config("smoke").model
 
 
 def test_other_bad_fields_are_named():

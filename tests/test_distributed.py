@@ -231,3 +231,23 @@ def test_two_processes_on_localhost_match_one_process_and_numpy(tmp_path):
     # up to float32 summation order.
     assert two[0]["loss"] == two[1]["loss"] and two[0]["grad"] == two[1]["grad"]
     np.testing.assert_allclose(two[0]["grad"], one[0]["grad"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_detected_cluster_jax_cannot_join_is_one_line(calls, monkeypatch):
+    """Inside a Slurm allocation without srun JAX finds no coordinator: the ValueError
+    from jax.distributed.initialize becomes one line that says what was detected and how
+    to run (the trainer prints it with exit status 2)."""
+
+    def fail(*args, **kwargs):
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.setattr(jax.distributed, "initialize", fail)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(dist.DistributedConfigError) as info:
+        dist.maybe_initialize_distributed()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("a Slurm job (SLURM_JOB_ID")
+    assert "coordinator_address should be defined" in message and "SBM_NUM_PROCESSES=1" in message
+    monkeypatch.setenv("SBM_NUM_PROCESSES", "1")
+    assert dist.maybe_initialize_distributed().mode == "single"

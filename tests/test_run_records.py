@@ -171,6 +171,82 @@ def test_records_after_the_restored_step_are_cut_everywhere(tmp_path):
     assert os.path.isfile(os.path.join(out, "metrics.png"))
 
 
+def test_a_crash_between_best_and_latest_and_a_shrunk_run_are_handled(tmp_path):
+    """What a crash can leave and what a user can ask, each answered in the run's terms:
+
+    * a best checkpoint of a step after the restored one (the latest of that step was
+      lost) is dropped, and the test runs at the new session's best, never at a state
+      the records no longer hold;
+    * a damaged newest latest checkpoint is set aside for the one before;
+    * ``train.num_steps`` below the run's step is refused in one line;
+    * a finished run trained further loses its summary.json until it finishes again
+      (a stop in between leaves no stale summary);
+    * a new run says where it writes before it trains."""
+    out = str(tmp_path / "run")
+    common = (*TINY, "--config.checkpoint.every_steps=2")
+    status, stdout, err = run_train(*common, "--config.train.num_steps=4", f"--output_dir={out}")
+    assert status == 0, err
+    assert stdout.startswith(f"new run in {out}\n"), stdout
+    best = os.path.join(out, "checkpoints", "best")
+    assert os.listdir(best) == ["4"]  # the one evaluation, at the end
+    shutil.rmtree(os.path.join(out, "checkpoints", "latest", "4"))
+    status, stdout, err = run_train(*common, "--config.train.num_steps=4", f"--output_dir={out}")
+    assert status == 0, err
+    assert "resuming from step 2" in stdout
+    assert "dropped the best checkpoint of step 4, after the restored step" in stdout
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["steps"] == summary["test_step"] == summary["best_dev_step"] == 4
+
+    meta = os.path.join(out, "checkpoints", "latest", "4", "meta", "metadata")
+    with open(meta, "w", encoding="utf-8") as f:
+        f.write("{")
+    status, stdout, err = run_train(*common, "--config.train.num_steps=4", f"--output_dir={out}")
+    assert status == 0, err
+    assert "warning: checkpoint 4 in" in stdout and "resuming from step 2" in stdout
+    assert os.path.isdir(os.path.join(out, "checkpoints", "unreadable", "latest-4"))
+
+    status, _, err = run_train(*common, "--config.train.num_steps=3", f"--output_dir={out}")
+    assert status == 2 and err.count("\n") == 1, err
+    assert "train.num_steps=3 is below step 4, where the run in" in err
+
+    from sbm_jax.training import run_dir
+
+    cut = run_dir.truncate_records  # a stop right after the records are cut back
+    with pytest.MonkeyPatch.context() as patch:
+
+        def stop_there(*args, **kwargs):
+            cut(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        patch.setattr("sbm_jax.training.trainer.truncate_records", stop_there)
+        status, _, _ = run_train(*common, "--config.train.num_steps=6", f"--output_dir={out}")
+    assert status == 130 and not os.path.exists(os.path.join(out, "summary.json"))
+
+
+def test_extending_a_decaying_schedule_says_the_rate_changes(tmp_path):
+    """The schedule is rebuilt for the new num_steps (train.num_steps is safe to change):
+    with a decay the rate jumps at the resume step, and the run says so."""
+    out = str(tmp_path / "run")
+    decay = (*TINY, "--config.train.end_learning_rate_factor=0.0")
+    status, _, err = run_train(*decay, "--config.train.num_steps=2", f"--output_dir={out}")
+    assert status == 0, err
+    status, stdout, err = run_train(*decay, "--config.train.num_steps=4", f"--output_dir={out}")
+    assert status == 0, err
+    # lr 3e-3 (smoke) decays to 0 over 2 steps: 1.5e-3 at step 2 of 4 instead of 0.
+    assert "note: train.num_steps 2 -> 4: the learning-rate schedule is rebuilt" in stdout
+    assert "(rate at step 2: 0 -> 0.0015)" in stdout, stdout
+
+
+def test_a_folder_with_records_but_no_run_is_not_overwritten(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1, "note": "my own data"}\n')
+    status, _, err = run_train(*TINY, f"--output_dir={folder}")
+    assert status == 2 and "holds metrics.jsonl but no config.json" in err, err
+    assert "my own data" in (folder / "metrics.jsonl").read_text()
+
+
 def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **compile_cache.env(cache))
     env["XLA_FLAGS"] = xla_flags()  # the suite's compile flags, no device count

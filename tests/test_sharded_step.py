@@ -229,3 +229,25 @@ def test_trainer_with_heads_axis_resumes_across_meshes(tmp_path):
         for key in ("loss", "accuracy", "density"):
             if key in a:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_evaluation_batches_are_padded_to_the_data_axis():
+    """An eval batch of 7 rows on a data axis of 3: 2 filler rows, example_mask False
+    (added as ones for the real rows when the batch had none); a batch that divides is
+    left as it is."""
+    from jax.sharding import AbstractMesh
+
+    from sbm_jax.training.evaluation import fit_to_mesh
+
+    mesh = AbstractMesh((3, 1), ("data", "heads"))
+    batch = {"inputs": np.arange(14).reshape(7, 2), "targets": np.ones(7, np.int32)}
+    out = fit_to_mesh(batch, mesh)
+    assert out["inputs"].shape == (9, 2) and out["targets"].shape == (9,)
+    np.testing.assert_array_equal(out["inputs"][:7], batch["inputs"])
+    assert not out["inputs"][7:].any() and not out["targets"][7:].any()
+    np.testing.assert_array_equal(out["example_mask"], [True] * 7 + [False] * 2)
+    masked = dict(batch, example_mask=np.array([1, 1, 1, 1, 1, 0, 0], bool))
+    np.testing.assert_array_equal(fit_to_mesh(masked, mesh)["example_mask"], [1] * 5 + [0] * 4)
+    assert fit_to_mesh(dict(batch, inputs=batch["inputs"][:6], targets=np.ones(6)), mesh)[
+        "inputs"
+    ].shape == (6, 2)

@@ -61,7 +61,10 @@ def model_config(
     model.classifier_dim = 16 if smoke else 512  # hidden width of the classification head
     model.num_classes = num_classes  # MLM: vocab size; GLUE: 2 (MNLI 3)
     model.token_head_dim = 16 if smoke else 512  # MLM head transform width (0: one Dense)
-    model.dtype = "float32"  # compute dtype: float32 or bfloat16
+    model.dtype = "float32"  # compute dtype: float32, bfloat16 (float16: no loss scaling)
+    model.remat = False  # recompute each block in the backward pass (saves memory)
+    # Sparse Transformer init: attention out and MLP fc2 kernels x 1/sqrt(2 * num_layers)
+    model.scaled_residual_init = False
     model.attention = presets.registry_name(mechanism)  # registry name of the mechanism
     fields = SBM_FIELDS if model.attention == "sbm" else None
     # That mechanism's own options (configs/presets.py: OPTIONS at this size's scale).

@@ -134,7 +134,10 @@ def base_config(task: str, preset: presets.Preset) -> ml_collections.ConfigDict:
     config.model.pooling = "mean"  # masked mean over tokens (Table 7: MEAN)
     config.model.classifier_dim = 128  # hidden width of the classifier MLP (reference: hidden)
     config.model.num_classes = spec.num_classes  # Table 7: 10 / 2 / 2 / 10 / 2
-    config.model.dtype = "float32"  # compute dtype: float32 or bfloat16
+    config.model.dtype = "float32"  # compute dtype: float32, bfloat16 (float16: no loss scaling)
+    config.model.remat = False  # recompute each block in the backward pass (saves memory)
+    # Sparse Transformer init: attention out and MLP fc2 kernels x 1/sqrt(2 * num_layers)
+    config.model.scaled_residual_init = False
     config.model.attention = mechanism  # registry name of the attention mechanism
     # That mechanism's own options (configs/presets.py: OPTIONS at this scale).
     config.model.attention_options = presets.attention_options(mechanism, scale, seq_len)

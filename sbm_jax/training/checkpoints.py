@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -185,13 +186,78 @@ class RunCheckpoints:
         """Step of the best checkpoint, or None."""
         return self._best.latest_step()
 
-    def restore_latest(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-        """(state, meta) of the newest latest checkpoint, or None when there is none.
+    def restore_latest(
+        self,
+        target: TrainState,
+        on_unreadable: Callable[[int, str, Exception], None] | None = None,
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        """(state, meta) of the newest readable latest checkpoint, or None when there is
+        none.
 
         ``target``: a state of the same structure (e.g. fresh from the same config); its
         arrays' shapes, dtypes and shardings are those restored.
+
+        A checkpoint that cannot be read (a truncated file, a damaged ``meta``) is passed
+        over for the next older one: it is moved to ``<directory>/unreadable/latest-<step>``
+        (kept, never deleted; left in place, a later save at its step would be skipped)
+        and ``on_unreadable(step, moved_to, error)`` is called. In a multi-process job
+        nothing is moved: the error names the step to remove.
+
+        Raises:
+          CheckpointError: naming the directory and the first error when checkpoints
+            exist but none can be read.
         """
-        return _restore_from(self._latest, target, None)
+        steps = sorted(self._latest.all_steps(), reverse=True)
+        failed: list[tuple[int, Exception]] = []
+        for step in steps:
+            try:
+                restored = _restore_from(self._latest, target, step)
+            except Exception as err:  # orbax, tensorstore and json raise many types
+                if jax.process_count() > 1:
+                    raise CheckpointError(
+                        f"checkpoint {self._latest.directory}/{step} is unreadable "
+                        f"({_short(err)}); remove it to resume from the one before"
+                    ) from err
+                failed.append((step, err))
+                continue
+            for bad, err in failed:
+                moved = self._set_aside(bad)
+                if on_unreadable is not None:
+                    on_unreadable(bad, moved, err)
+            return restored
+        if failed:
+            step, err = failed[0]
+            raise CheckpointError(
+                f"no readable checkpoint in {self._latest.directory} (steps "
+                f"{[s for s, _ in failed]}; step {step}: {_short(err)}); remove them to start "
+                "over, or use another output_dir"
+            ) from err
+        return None
+
+    def _set_aside(self, step: int) -> str:
+        """Move ``latest/<step>`` out of orbax's view, to ``unreadable/latest-<step>``."""
+        source = os.path.join(str(self._latest.directory), str(step))
+        target = os.path.join(self.directory, "unreadable", f"latest-{step}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(self.directory, "unreadable", f"latest-{step}-{n}")
+        shutil.move(source, target)
+        with _quiet():
+            self._latest.reload()
+        return target
+
+    def drop_best_after(self, step: int) -> int | None:
+        """Delete a best checkpoint saved after ``step`` (by a session whose latest
+        checkpoint was lost or never written): the run resumes from ``step`` and will
+        choose its best again. Returns the dropped step, or None."""
+        best = self._best.latest_step()
+        if best is None or best <= step:
+            return None
+        with _quiet():
+            self._best.delete(best)
+        return best
 
     def restore_best(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
         """(state, meta) of the best checkpoint, or None when there is none."""
@@ -201,6 +267,17 @@ class RunCheckpoints:
         with _quiet():
             self._latest.close()
             self._best.close()
+
+
+class CheckpointError(RuntimeError):
+    """A run's checkpoints exist but cannot be used; the message names them."""
+
+
+def _short(err: Exception, limit: int = 200) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def checkpoint_steps(path: str) -> list[int]:

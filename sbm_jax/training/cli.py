@@ -434,6 +434,7 @@ def main(
         return 0
 
     from sbm_jax.tasks import build_task
+    from sbm_jax.training.checkpoints import CheckpointError
     from sbm_jax.training.nonfinite import NonFiniteError
     from sbm_jax.training.run_dir import check_resume, resolve_output_dir
     from sbm_jax.training.summary import format_run_summary
@@ -461,6 +462,8 @@ def main(
             summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
     except ConfigError as e:
         return fail(one_line([str(e)], config))
+    except CheckpointError as e:
+        return fail(str(e))
     except NonFiniteError as e:
         return fail(str(e), NONFINITE_EXIT)
     except KeyboardInterrupt:

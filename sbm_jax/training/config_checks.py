@@ -194,6 +194,17 @@ def check_model(model: Any, errors: list[str]) -> None:
         model_dtype(str(model.get("dtype", "float32")))
     except ValueError as e:
         errors.append(str(e))
+    if model.get("dtype") == "float16" and model.get("attention") == "full":
+        import jax
+
+        if jax.default_backend() == "cpu":
+            # jax.nn.dot_product_attention asks XLA for a float16 x float16 -> float32
+            # product, which XLA's CPU backend does not have (GPUs run it).
+            errors.append(
+                "model.dtype='float16' with model.attention='full' does not run on CPU "
+                "(XLA's CPU dot has no float16 inputs with float32 accumulation); use "
+                "bfloat16 or float32"
+            )
     check_attention_options(model, errors)
 
 
@@ -204,8 +215,8 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     batch = train.get("batch_size")
     if isinstance(batch, int) and batch > 0 and batch % device_count:
         errors.append(
-            f"train.batch_size={batch} is not a multiple of the device count {device_count} "
-            "(the batch is split evenly over devices)"
+            f"train.batch_size={batch} is not a multiple of {device_count}, the devices on "
+            "the mesh's data axis (mesh.data; the batch is split evenly over them)"
         )
     lr = train.get("learning_rate")
     if not isinstance(lr, (int, float)) or lr <= 0:

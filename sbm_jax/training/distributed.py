@@ -200,5 +200,19 @@ def maybe_initialize_distributed(
             process_id=setup.process_id,
         )
     elif setup.mode in ("tpu", "slurm"):
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as err:
+            found = (
+                "a Slurm job (SLURM_JOB_ID, SLURM_NTASKS > 1)"
+                if setup.mode == "slurm"
+                else "a multi-host TPU slice (TPU_WORKER_HOSTNAMES)"
+            )
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise DistributedConfigError(
+                f"{found} was detected, but JAX could not connect its processes "
+                f"({type(err).__name__}: {first}); launch one process per task (srun), "
+                f"give --coordinator_address/--num_processes/--process_id, or set "
+                f"{ENV_NUM_PROCESSES}=1 to run a single process"
+            ) from None
     return setup

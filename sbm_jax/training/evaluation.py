@@ -11,11 +11,30 @@ import numpy as np
 from jax.sharding import Mesh
 
 from sbm_jax.training.host_data import put_global
+from sbm_jax.training.sharding import data_axis_size
 from sbm_jax.training.state import TrainState
 from sbm_jax.training.steps import data_sharding
 from sbm_jax.training.task import Batch
 
 Array = jax.Array
+
+
+def fit_to_mesh(batch: Batch, mesh: Mesh) -> dict[str, np.ndarray]:
+    """``batch`` on the host, its rows padded up to a multiple of the mesh's data axis
+    with filler rows (zeros, ``example_mask`` False; an ``example_mask`` of ones is added
+    when the batch has none), so that any evaluation batch size shards evenly. Filler
+    rows count nowhere: every metric is weighted by ``example_mask``."""
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    rows = len(next(iter(host.values())))
+    extra = -rows % data_axis_size(mesh)
+    if not extra:
+        return host
+    real = host.pop("example_mask", np.ones(rows, bool)).astype(bool)
+    out = {
+        k: np.concatenate([v, np.zeros((extra, *v.shape[1:]), v.dtype)]) for k, v in host.items()
+    }
+    out["example_mask"] = np.concatenate([real, np.zeros(extra, bool)])
+    return out
 
 
 def evaluate_split(
@@ -45,7 +64,7 @@ def evaluate_split(
     """
     totals: dict[str, Any] | None = None
     for i, batch in enumerate(batches):
-        sharded = put_global(dict(batch), data_sharding(mesh))
+        sharded = put_global(fit_to_mesh(batch, mesh), data_sharding(mesh))
         out = jax.device_get(eval_step(state, sharded, jax.random.fold_in(rng, i)))
         totals = out if totals is None else jax.tree.map(np.add, totals, out)
     if totals is None:
@@ -91,7 +110,7 @@ def predict_split(
     """
     indices, predictions = [], []
     for i, batch in enumerate(batches):
-        host = {k: np.asarray(v) for k, v in batch.items()}
+        host = fit_to_mesh(batch, mesh)
         real = host.get("example_mask", np.ones(len(host["index"]), bool)).astype(bool)
         device = {k: v for k, v in host.items() if k != "index"}
         sharded = put_global(device, data_sharding(mesh))

@@ -45,6 +45,8 @@ SAFE_TO_CHANGE = (
     "task.data_dir",
     # Only the initial parameters depend on it, and a resumed run restores them.
     "model.query_key_init",
+    # Recomputation in the backward pass: the same gradients, less memory.
+    "model.remat",
     # Which edge kernel computes the same sampled attention (float rounding aside).
     "model.attention_options.kernel",
     "data.tfds_data_dir",
@@ -62,6 +64,8 @@ ABSENT_MEANS = {
     "checkpoint.best_mode": "max",
     "model.position_embedding": "learned",
     "model.final_norm": True,
+    "model.remat": False,
+    "model.scaled_residual_init": False,
     "model.attention_options.ste": "paper",
 }
 
@@ -162,6 +166,10 @@ def saved_config(output_dir: str) -> dict[str, Any] | None:
         ) from None
 
 
+#: Files a run writes that a new run in the same folder would replace.
+RECORD_FILES = ("metrics.jsonl", "metrics.csv", "summary.json")
+
+
 def check_resume(output_dir: str, config: Any) -> bool:
     """True when ``output_dir`` holds a run that ``config`` may resume; False when it
     holds none.
@@ -177,6 +185,12 @@ def check_resume(output_dir: str, config: Any) -> bool:
             raise ConfigError(
                 f"output_dir={output_dir!r} holds checkpoints but no {CONFIG_FILE}, so this "
                 "config cannot be checked against the run's; choose another --output_dir"
+            )
+        records = [n for n in RECORD_FILES if os.path.isfile(os.path.join(output_dir, n))]
+        if records:
+            raise ConfigError(
+                f"output_dir={output_dir!r} holds {', '.join(records)} but no {CONFIG_FILE}: "
+                "a new run would overwrite them; choose another --output_dir"
             )
         return False
     diffs = config_differences(saved, config_as_json(config))

@@ -86,7 +86,12 @@ from sbm_jax.training.run_dir import (
     resolve_output_dir,
     truncate_records,
 )
-from sbm_jax.training.sharding import data_axis_size, mesh_from_config, state_sharding
+from sbm_jax.training.sharding import (
+    data_axis_size,
+    heads_axis_size,
+    mesh_from_config,
+    state_sharding,
+)
 from sbm_jax.training.state import create_train_state, learning_rate_schedule
 from sbm_jax.training.steps import (
     make_accumulating_train_step,
@@ -122,6 +127,40 @@ def _compiled_steps(
     )
     predict = make_predict_step(task, mesh) if task.predict_splits else None
     return train_step, make_detailed_eval_step(task, mesh), predict
+
+
+def _note_schedule_change(
+    meta: Mapping[str, Any], config: Any, step: int, log: Callable[[str], None]
+) -> None:
+    """Say so when a resumed run's ``train.num_steps`` differs from the one its
+    checkpoint was trained for and the learning rate decays: the schedule is rebuilt
+    for the new length, so the rate changes at the resume step."""
+    saved = (meta.get("config") or {}).get("train", {}).get("num_steps")
+    train = config.train
+    if saved is None or int(saved) == int(train.num_steps) or step >= int(train.num_steps):
+        return
+    if float(train.get("end_learning_rate_factor", 1.0)) == 1.0 and step >= int(
+        train.get("warmup_steps", 0)
+    ):
+        return  # constant after warm-up: nothing changes
+
+    def rate(total: int) -> float:
+        return float(
+            learning_rate_schedule(
+                SimpleNamespace(
+                    learning_rate=float(train.learning_rate),
+                    warmup_steps=int(train.warmup_steps),
+                    num_steps=total,
+                    end_learning_rate_factor=float(train.end_learning_rate_factor),
+                )
+            )(step)
+        )
+
+    old, new = rate(int(saved)), rate(int(train.num_steps))
+    log(
+        f"note: train.num_steps {saved} -> {train.num_steps}: the learning-rate schedule is "
+        f"rebuilt for {train.num_steps} steps (rate at step {step}: {old:.3g} -> {new:.3g})"
+    )
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
@@ -248,6 +287,13 @@ def train_and_evaluate(
             out.write(message + "\n")
             out.flush()
 
+    if jax.device_count() > 1:
+        used = int(np.prod(mesh.devices.shape))
+        idle = f" ({jax.device_count() - used} idle)" if used < jax.device_count() else ""
+        log(
+            f"mesh: data={data_axis_size(mesh)} x heads={heads_axis_size(mesh)} on {used} of "
+            f"{jax.device_count()} devices{idle}"
+        )
     output_dir = resolve_output_dir(config, output_dir)
     existing = check_resume(output_dir, run_config)  # raises before anything is written
     init_checkpoint = find_checkpoint(str(config.init_from)) if config.get("init_from") else None
@@ -263,12 +309,24 @@ def train_and_evaluate(
         os.path.join(output_dir, "checkpoints"), int(ckpt_cfg.get("max_to_keep", 2))
     )
     meta: dict[str, Any] = {"best": None, "best_step": None, "wall_time_s": 0.0}
-    restored = checkpoints.restore_latest(fresh)
+
+    def unreadable(step: int, moved_to: str, error: Exception) -> None:
+        log(
+            f"warning: checkpoint {step} in {checkpoints.directory}/latest is unreadable "
+            f"({type(error).__name__}); moved to {moved_to}, resuming from an older one"
+        )
+
+    restored = checkpoints.restore_latest(fresh, on_unreadable=unreadable)
     resumed_from = None
     if restored is not None:
         state, meta = restored
         state = put_global(state, shardings)
         resumed_from = int(state.step)
+        if resumed_from > num_steps:
+            raise ConfigError(
+                f"train.num_steps={num_steps} is below step {resumed_from}, where the run in "
+                f"{output_dir} stands; raise it (or train into a new output_dir)"
+            )
         saved_index, saved_batch = meta.get("data_index"), meta.get("batch_size")
         if saved_index is not None and int(saved_index) != resumed_from:
             raise ConfigError(
@@ -282,8 +340,14 @@ def train_and_evaluate(
                 "order; use the original batch size or a new output_dir"
             )
         log(f"resuming from step {resumed_from} ({output_dir})")
+        _note_schedule_change(meta, config, resumed_from, log)
     else:
         state = fresh
+        log(
+            f"new run in {output_dir}"
+            if not existing
+            else f"no checkpoint in {output_dir}: starting at step 0 (its records are replaced)"
+        )
         if init_checkpoint is not None:
             loaded = load_params(init_checkpoint)
             params = (
@@ -294,8 +358,25 @@ def train_and_evaluate(
             state = put_global(fresh_host.replace(params=params), shardings)
             log(f"initialised from {init_checkpoint}")
     del fresh_host
+    # A best checkpoint newer than the restored state is from a session whose later
+    # checkpoints were lost: the steps after it run again and choose their own best.
+    dropped = checkpoints.drop_best_after(resumed_from or 0)
+    if dropped is not None:
+        log(f"dropped the best checkpoint of step {dropped}, after the restored step")
+    if (
+        resumed_from is not None
+        and meta.get("best_step") == resumed_from
+        and checkpoints.best_step() != resumed_from
+    ):
+        # Killed between the latest and the best save of an evaluation step.
+        checkpoints.save_best(state, meta)
     if primary:
-        # Records after the restored step (all of them without a checkpoint) go.
+        # A summary of a finished run that is now trained further goes first (a stop in
+        # between must not leave it describing cut records), then the records after the
+        # restored step (all of them without a checkpoint).
+        summary_path = os.path.join(output_dir, "summary.json")
+        if (resumed_from or 0) < num_steps and os.path.isfile(summary_path):
+            os.remove(summary_path)
         truncate_records(output_dir, resumed_from or 0)
         if not existing:
             with open(os.path.join(output_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -381,10 +462,12 @@ def train_and_evaluate(
         overflow.add(split, step, result.get("overflow_per_layer"))
         return {"step": step, "split": split, **scalars(result)}
 
-    def run_dev(step: int) -> None:
+    def run_dev(step: int) -> bool:
+        """Evaluate the dev split; True when it is the best so far (``meta`` updated;
+        the caller saves the best checkpoint after the latest one)."""
         nonlocal last_dev
         if task.eval_batches is None:
-            return
+            return False
         result = evaluate_split(
             eval_step, state, task.eval_batches(), mesh, eval_rng, task.eval_metrics
         )
@@ -398,7 +481,8 @@ def train_and_evaluate(
             )
         if _better(float(result[best_metric]), meta.get("best"), best_mode):
             meta["best"], meta["best_step"] = float(result[best_metric]), step
-            checkpoints.save_best(state, meta_now())
+            return True
+        return False
 
     def plot() -> str | None:
         if not primary or not os.path.isfile(writer.csv_path):
@@ -426,12 +510,18 @@ def train_and_evaluate(
                 if first_done is None or boundary:
                     flush()
                 evaluated = (eval_every and done % eval_every == 0) or done == num_steps
+                improved = False
                 if evaluated:
                     flush()
-                    run_dev(done)
+                    improved = run_dev(done)
                 if evaluated or done % every == 0 or done == until:
                     flush()  # never checkpoint a state that a bad step froze
                     checkpoints.save_latest(state, meta_now())
+                if improved:
+                    # After the latest save: a stop between the two leaves a latest
+                    # checkpoint whose meta names this step, and the resume saves the
+                    # best from it (a best saved first could outlive its latest).
+                    checkpoints.save_best(state, meta_now())
                 # One process checks its flag every step; several agree at log boundaries.
                 stop = (
                     any_process(signals.received is not None)
