@@ -106,9 +106,18 @@ def _flax_twin(cls: type) -> type:
     namespace: dict = {"__annotations__": {}}
     for f in dataclasses.fields(cls):
         namespace["__annotations__"][f.name] = f.type
-        if f.default_factory is not dataclasses.MISSING:
+        if f.metadata.get("static"):
+            namespace[f.name] = flax.struct.field(pytree_node=False, default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
             namespace[f.name] = dataclasses.field(default_factory=f.default_factory)
     return flax.struct.dataclass(type(cls.__name__, (), namespace))
+
+
+def _static(cls: type) -> set[str]:
+    """Fields that are part of the tree structure (EdgeList's ``num_rows``/``num_cols``)."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls) if f.metadata.get("static")}
 
 
 @pytest.mark.parametrize("name", ["EdgeList", "SamplingPlan"])
@@ -122,9 +131,14 @@ def test_pytree_dataclasses_behave_as_flax_struct_did(name):
 
     cls = {"EdgeList": graph.EdgeList, "SamplingPlan": fastrg.SamplingPlan}[name]
     twin = _flax_twin(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    static = _static(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in static]
     values = {n: np.full((i + 1,), float(i), np.float32) for i, n in enumerate(names)}
+    values |= {n: 7 + i for i, n in enumerate(sorted(static))}  # hashable, static under jit
     ours, theirs = cls(**values), twin(**values)
+    if static:  # a static field is part of the structure, not a leaf
+        other = cls(**(values | {n: 0 for n in static}))
+        assert jax.tree_util.tree_structure(ours) != jax.tree_util.tree_structure(other)
     # Every field is a child, in field order, with the same key paths.
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ours)[0]]
     twin_paths = jax.tree_util.tree_flatten_with_path(theirs)[0]
@@ -146,9 +160,11 @@ def test_pytree_dataclasses_behave_as_flax_struct_did(name):
     required = {
         f.name: values[f.name]
         for f in dataclasses.fields(cls)
-        if f.default_factory is dataclasses.MISSING
+        if f.default_factory is dataclasses.MISSING and f.name not in static
     }
     a, b = cls(**required), twin(**required)
+    for n in static:
+        assert getattr(a, n) is None and getattr(b, n) is None
     for n in names:
         np.testing.assert_array_equal(getattr(a, n), getattr(b, n))
         assert np.asarray(getattr(a, n)).dtype == np.asarray(getattr(b, n)).dtype
