@@ -17,8 +17,11 @@ restore (orbax coordinates them; each process writes its own shards).
 from __future__ import annotations
 
 import contextlib
+import logging as logging_std
 import os
 import shutil
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -211,17 +214,17 @@ class RunCheckpoints:
         failed: list[tuple[int, Exception]] = []
         for step in steps:
             try:
-                restored = _restore_from(self._latest, target, step)
+                restored = _restore_quietly(self._latest, target, step)
             except Exception as err:  # orbax, tensorstore and json raise many types
                 if jax.process_count() > 1:
                     raise CheckpointError(
                         f"checkpoint {self._latest.directory}/{step} is unreadable "
-                        f"({_short(err)}); remove it to resume from the one before"
+                        f"({short_error(err)}); remove it to resume from the one before"
                     ) from err
                 failed.append((step, err))
                 continue
             for bad, err in failed:
-                moved = self._set_aside(bad)
+                moved = self._set_aside(self._latest, "latest", bad)
                 if on_unreadable is not None:
                     on_unreadable(bad, moved, err)
             return restored
@@ -229,23 +232,23 @@ class RunCheckpoints:
             step, err = failed[0]
             raise CheckpointError(
                 f"no readable checkpoint in {self._latest.directory} (steps "
-                f"{[s for s, _ in failed]}; step {step}: {_short(err)}); remove them to start "
+                f"{[s for s, _ in failed]}; step {step}: {short_error(err)}); remove them to start "
                 "over, or use another output_dir"
             ) from err
         return None
 
-    def _set_aside(self, step: int) -> str:
-        """Move ``latest/<step>`` out of orbax's view, to ``unreadable/latest-<step>``."""
-        source = os.path.join(str(self._latest.directory), str(step))
-        target = os.path.join(self.directory, "unreadable", f"latest-{step}")
+    def _set_aside(self, manager: ocp.CheckpointManager, kind: str, step: int) -> str:
+        """Move ``<kind>/<step>`` out of orbax's view, to ``unreadable/<kind>-<step>``."""
+        source = os.path.join(str(manager.directory), str(step))
+        target = os.path.join(self.directory, "unreadable", f"{kind}-{step}")
         os.makedirs(os.path.dirname(target), exist_ok=True)
         n = 1
         while os.path.exists(target):
             n += 1
-            target = os.path.join(self.directory, "unreadable", f"latest-{step}-{n}")
+            target = os.path.join(self.directory, "unreadable", f"{kind}-{step}-{n}")
         shutil.move(source, target)
         with _quiet():
-            self._latest.reload()
+            manager.reload()
         return target
 
     def drop_best_after(self, step: int) -> int | None:
@@ -259,9 +262,25 @@ class RunCheckpoints:
             self._best.delete(best)
         return best
 
-    def restore_best(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-        """(state, meta) of the best checkpoint, or None when there is none."""
-        return _restore_from(self._best, target, None)
+    def restore_best(
+        self,
+        target: TrainState,
+        on_unreadable: Callable[[int, str, Exception], None] | None = None,
+    ) -> tuple[TrainState, dict[str, Any]] | None:
+        """(state, meta) of the best checkpoint, or None when there is none.
+
+        With ``on_unreadable``, a best checkpoint that cannot be read is moved to
+        ``<directory>/unreadable/best-<step>``, reported, and None is returned (the
+        caller then uses its own state); without it, the error propagates.
+        """
+        step = self._best.latest_step()
+        try:
+            return _restore_quietly(self._best, target, step)
+        except Exception as err:  # orbax, tensorstore and json raise many types
+            if on_unreadable is None or step is None or jax.process_count() > 1:
+                raise
+            on_unreadable(step, self._set_aside(self._best, "best", step), err)
+            return None
 
     def close(self) -> None:
         with _quiet():
@@ -269,12 +288,72 @@ class RunCheckpoints:
             self._best.close()
 
 
+#: Orbax's and TensorStore's messages when a shard of a damaged checkpoint cannot be read.
+_READ_ERRORS = ("Encountered error while reading array index", "in OCDBT database at")
+
+
+def _is_failed_read(exc: BaseException | None) -> bool:
+    return exc is not None and (
+        any(text in str(exc) for text in _READ_ERRORS)
+        or (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+    )
+
+
+class _FailedReadFilter(logging_std.Filter):
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return not (record.exc_info and _is_failed_read(record.exc_info[1]))
+
+
+def _silence_failed_reads() -> Callable[[], None]:
+    """Drop the reports of a failed read of a damaged checkpoint; returns the undo.
+
+    When a restore fails, orbax's abandoned read coroutines and its closed event loop
+    report themselves during the attempt and for the rest of the process (thousands of
+    traceback lines, at garbage collection, through ``sys.unraisablehook``, the
+    ``asyncio`` logger and a ``RuntimeWarning``), burying the one warning that matters.
+    Exactly those reports are dropped; everything else still reaches its hook. Callers
+    install it around a restore and undo it when the restore succeeded (nothing to
+    drop), or keep it after a failure."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _is_failed_read(unraisable.exc_value):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    log_filter = _FailedReadFilter()
+    logging_std.getLogger("asyncio").addFilter(log_filter)
+    warnings.filterwarnings(
+        "ignore", message="coroutine '_read_array_index_and_device_put' was never awaited"
+    )
+
+    def undo() -> None:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+        logging_std.getLogger("asyncio").removeFilter(log_filter)
+
+    return undo
+
+
+def _restore_quietly(
+    manager: ocp.CheckpointManager, target: TrainState, step: int | None
+) -> tuple[TrainState, dict[str, Any]] | None:
+    """:func:`_restore_from`, with a damaged checkpoint's after-effects silenced."""
+    undo = _silence_failed_reads()
+    restored = _restore_from(manager, target, step)  # on an error the silencing stays
+    undo()
+    return restored
+
+
 class CheckpointError(RuntimeError):
     """A run's checkpoints exist but cannot be used; the message names them."""
 
 
-def _short(err: Exception, limit: int = 200) -> str:
-    """``Type: first line of the message``, at most ``limit`` characters."""
+def short_error(err: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` of ``err``'s root cause (orbax wraps the
+    TensorStore error that names the file), at most ``limit`` characters."""
+    while err.__cause__ is not None:
+        err = err.__cause__
     lines = str(err).strip().splitlines()
     text = f"{type(err).__name__}: {lines[0] if lines else ''}"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -33,6 +33,9 @@ CONFIG_FILE = "config.json"
 # step does not depend on the mesh or on gradient accumulation).
 SAFE_TO_CHANGE = (
     "output_dir",
+    # Only names a new run's default directory (runs made before the LRA names followed
+    # --config.seed recorded seed0 for a --config.seed=N run).
+    "name",
     "train.num_steps",
     "train.num_epochs",
     "train.log_every",

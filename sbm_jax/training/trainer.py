@@ -63,6 +63,7 @@ from sbm_jax.training.checkpoints import (
     check_same_tree,
     find_checkpoint,
     load_params,
+    short_error,
 )
 from sbm_jax.training.config_checks import ConfigError, validate_config
 from sbm_jax.training.evaluation import evaluate_split, predict_split
@@ -313,7 +314,7 @@ def train_and_evaluate(
     def unreadable(step: int, moved_to: str, error: Exception) -> None:
         log(
             f"warning: checkpoint {step} in {checkpoints.directory}/latest is unreadable "
-            f"({type(error).__name__}); moved to {moved_to}, resuming from an older one"
+            f"({short_error(error)}); moved to {moved_to}, resuming from an older one"
         )
 
     restored = checkpoints.restore_latest(fresh, on_unreadable=unreadable)
@@ -546,7 +547,14 @@ def train_and_evaluate(
             return {"stopped_at": until, "output_dir": output_dir, "reason": "stop_after"}
 
         # Test evaluation at the best dev checkpoint (the last state if none).
-        best = checkpoints.restore_best(fresh)
+
+        def best_unreadable(step: int, moved_to: str, error: Exception) -> None:
+            log(
+                f"warning: the best checkpoint (step {step}) is unreadable "
+                f"({short_error(error)}); moved to {moved_to}, testing the last state"
+            )
+
+        best = checkpoints.restore_best(fresh, on_unreadable=best_unreadable)
         test_state, test_step_no = state, int(state.step)
         if best is not None:
             test_state = put_global(best[0], shardings)
