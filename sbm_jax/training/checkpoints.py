@@ -313,7 +313,8 @@ def _silence_failed_reads() -> Callable[[], None]:
     ``asyncio`` logger and a ``RuntimeWarning``), burying the one warning that matters.
     Exactly those reports are dropped; everything else still reaches its hook. Callers
     install it around a restore and undo it when the restore succeeded (nothing to
-    drop), or keep it after a failure."""
+    drop), or keep it after a failure and filter the warning then
+    (:func:`_restore_quietly`)."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -323,9 +324,6 @@ def _silence_failed_reads() -> Callable[[], None]:
     sys.unraisablehook = hook
     log_filter = _FailedReadFilter()
     logging_std.getLogger("asyncio").addFilter(log_filter)
-    warnings.filterwarnings(
-        "ignore", message="coroutine '_read_array_index_and_device_put' was never awaited"
-    )
 
     def undo() -> None:
         if sys.unraisablehook is hook:
@@ -340,7 +338,14 @@ def _restore_quietly(
 ) -> tuple[TrainState, dict[str, Any]] | None:
     """:func:`_restore_from`, with a damaged checkpoint's after-effects silenced."""
     undo = _silence_failed_reads()
-    restored = _restore_from(manager, target, step)  # on an error the silencing stays
+    try:
+        restored = _restore_from(manager, target, step)
+    except Exception:
+        # The silencing stays: the abandoned reads report at collection, and warn once.
+        warnings.filterwarnings(
+            "ignore", message="coroutine '_read_array_index_and_device_put' was never awaited"
+        )
+        raise
     undo()
     return restored
 

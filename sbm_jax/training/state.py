@@ -31,12 +31,13 @@ class TrainState(train_state.TrainState):
     param_axes: ParamAxes = struct.field(pytree_node=False, default=())
 
 
-def learning_rate_schedule(train: Any) -> optax.Schedule:
+def learning_rate_schedule(train: Any, num_steps: int | None = None) -> optax.Schedule:
     """Linear warm-up from 0 to ``learning_rate`` over ``warmup_steps``, then linear decay
-    to ``learning_rate * end_learning_rate_factor`` at ``num_steps``."""
+    to ``learning_rate * end_learning_rate_factor`` at ``num_steps`` (``train``'s, unless
+    given: the schedule a run of another length would follow)."""
     peak = float(train.learning_rate)
     warmup = int(train.warmup_steps)
-    total = int(train.num_steps)
+    total = int(train.num_steps if num_steps is None else num_steps)
     end = peak * float(train.end_learning_rate_factor)
     warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
     decay = optax.linear_schedule(peak, end, max(total - warmup, 1))

@@ -134,34 +134,20 @@ def _note_schedule_change(
     meta: Mapping[str, Any], config: Any, step: int, log: Callable[[str], None]
 ) -> None:
     """Say so when a resumed run's ``train.num_steps`` differs from the one its
-    checkpoint was trained for and the learning rate decays: the schedule is rebuilt
-    for the new length, so the rate changes at the resume step."""
+    checkpoint was trained for and that changes the learning rate at the resume step
+    (the schedule is rebuilt for the new length; a constant rate does not change)."""
     saved = (meta.get("config") or {}).get("train", {}).get("num_steps")
     train = config.train
-    if saved is None or int(saved) == int(train.num_steps) or step >= int(train.num_steps):
+    if saved is None:
         return
-    if float(train.get("end_learning_rate_factor", 1.0)) == 1.0 and step >= int(
-        train.get("warmup_steps", 0)
-    ):
-        return  # constant after warm-up: nothing changes
-
-    def rate(total: int) -> float:
-        return float(
-            learning_rate_schedule(
-                SimpleNamespace(
-                    learning_rate=float(train.learning_rate),
-                    warmup_steps=int(train.warmup_steps),
-                    num_steps=total,
-                    end_learning_rate_factor=float(train.end_learning_rate_factor),
-                )
-            )(step)
+    old = float(learning_rate_schedule(train, int(saved))(step))
+    new = float(learning_rate_schedule(train)(step))
+    if old != new:
+        log(
+            f"note: train.num_steps {saved} -> {train.num_steps}: the learning-rate schedule "
+            f"is rebuilt for {train.num_steps} steps (rate at step {step}: {old:.3g} -> "
+            f"{new:.3g})"
         )
-
-    old, new = rate(int(saved)), rate(int(train.num_steps))
-    log(
-        f"note: train.num_steps {saved} -> {train.num_steps}: the learning-rate schedule is "
-        f"rebuilt for {train.num_steps} steps (rate at step {step}: {old:.3g} -> {new:.3g})"
-    )
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
