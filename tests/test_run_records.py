@@ -20,6 +20,7 @@ import time
 import pytest
 
 from sbm_jax.training import cli
+from sbm_jax.training.checkpoints import read_checkpoint_meta
 from tests import compile_cache
 from tests.process_testing import xla_flags
 from tests.test_metrics_tensorboard import read_scalars
@@ -128,6 +129,7 @@ def test_extending_a_finished_run_resumes_it_and_cuts_nothing_twice(tmp_path):
     out = str(tmp_path / "run")
     status, _, err = run_train(*TINY, "--config.train.num_steps=3", f"--output_dir={out}")
     assert status == 0, err
+    saved = read_checkpoint_meta(os.path.join(out, "checkpoints", "latest", "3"))
     # train.num_steps is safe to change: the run resumes at 3 and goes on to 5.
     status, stdout, err = run_train(*TINY, "--config.train.num_steps=5", f"--output_dir={out}")
     assert status == 0, err
@@ -139,6 +141,10 @@ def test_extending_a_finished_run_resumes_it_and_cuts_nothing_twice(tmp_path):
         summary = json.load(f)
     assert summary["resumed_from"] == 3 and summary["steps"] == 5
     assert summary["steps_this_session"] == 2
+    # time_s counts the run's training time over both sessions: the second session's
+    # steps start from the first one's time at its checkpoint, not from 0.
+    times = [r["time_s"] for r in records(out)]
+    assert times == sorted(times) and times[3] >= saved["wall_time_s"] > 0, (times, saved)
     # config.json keeps the run's first config; summary.json says what was trained.
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["train"]["num_steps"] == 3

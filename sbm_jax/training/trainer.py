@@ -421,7 +421,8 @@ def train_and_evaluate(
         values, is_halted = jax.device_get(([m for _, m in pending], halted))
         bad = None
         for (step, _), m in zip(pending, values, strict=True):
-            rec = {"step": step, "split": "train", "time_s": time.perf_counter() - t0}
+            # Seconds of training in all the run's sessions (as wall_time_s), not this one.
+            rec = {"step": step, "split": "train", "time_s": wall_before + time.perf_counter() - t0}
             rec.update(to_python(m))
             rec.pop("weight", None)
             overflow.add("train", step, rec.pop("overflow_per_layer", None))
