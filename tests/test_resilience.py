@@ -106,6 +106,49 @@ def test_sigterm_resume_is_bit_exact_with_sbm_sampling(tmp_path):
     _interrupt_and_resume(tmp_path, "sbm")
 
 
+def test_a_hang_up_saves_and_exits_cleanly_though_the_terminal_is_gone(tmp_path):
+    """An ssh session that drops without ``nohup``: the trainer gets SIGHUP and its
+    terminal is gone (writes to it fail with EIO). It must save and exit 0 like SIGTERM,
+    not die unsaved (SIGHUP's default) or crash on its next progress line."""
+    import pty
+    import select
+
+    run_dir = tmp_path / "run"
+    master, slave = pty.openpty()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env["XLA_FLAGS"] = xla_flags()
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, str(run_dir), "--steps=8", "--attention=full", "--sleep=0.4"],
+        env=env,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if select.select([master], [], [], 0.1)[0]:
+                os.read(master, 65536)  # keep the terminal's buffer from filling
+            path = run_dir / "metrics.jsonl"
+            if path.exists() and any(r["step"] >= 3 for r in _records(run_dir)):
+                break
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        os.close(master)  # the terminal hangs up: the trainer's writes now fail
+        master = -1
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if master >= 0:
+            os.close(master)
+    assert code == 0, f"exit status {code}"
+    k = max(r["step"] for r in _records(run_dir))
+    assert 3 <= k < 8 and (run_dir / "checkpoints" / "latest" / str(k)).is_dir()
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, k + 1))
+    assert not (run_dir / "summary.json").exists()  # stopped, not finished
+
+
 def test_stop_signals_restore_previous_handlers():
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda *a: seen.append("outer"))

@@ -11,7 +11,7 @@ the mesh against the devices); with ``--print_config`` print it and stop; find t
 directory and, when it holds a run, check that this config may resume it; with
 ``--dry_run`` stop there; then build the task (data is read or generated only now) and
 train. Every user error is one line on stderr, ``error: ...``, and exit status 2, with
-nothing written. Exit status 0: the run finished, or SIGTERM / Ctrl-C stopped it after
+nothing written. Exit status 0: the run finished, or SIGTERM / Ctrl-C / SIGHUP stopped it after
 saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; the
 same command with ``--output_dir`` set to that directory resumes it); 3: a non-finite
 loss or gradient halted it (the message names the step and the saved replay state).

@@ -1,10 +1,12 @@
-"""SIGTERM / Ctrl-C during training: finish the step, save, leave with a summary line.
+"""SIGTERM / Ctrl-C / hang-up during training: finish the step, save, leave with a
+summary line.
 
-While the trainer runs (in the main thread) ``StopSignals`` turns SIGTERM and SIGINT
-into a flag; the loop checks it after every step (with several processes, at every
-``train.log_every`` boundary, all processes together through ``any_process``), saves
-the latest checkpoint, flushes the metrics and returns ``{"stopped_at": step, ...}``.
-A second signal of a kind acts as it would have without the trainer.
+While the trainer runs (in the main thread) ``StopSignals`` turns SIGTERM, SIGINT and
+SIGHUP (the terminal closed: an ssh session dropped without ``nohup``) into a flag; the
+loop checks it after every step (with several processes, at every ``train.log_every``
+boundary, all processes together through ``any_process``), saves the latest checkpoint,
+flushes the metrics and returns ``{"stopped_at": step, ...}``. A second signal acts as
+it would have without the trainer.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ import numpy as np
 
 
 class StopSignals:
-    """Context manager: SIGTERM and SIGINT set ``received`` (the signal's name) instead of
-    ending the process, so the loop can checkpoint and return.
+    """Context manager: SIGTERM, SIGINT and SIGHUP set ``received`` (the signal's name)
+    instead of ending the process, so the loop can checkpoint and return.
+
+    After a SIGHUP the terminal is gone, and writing to it fails (``EIO``): standard
+    output and error that were terminals on entry are pointed at ``os.devnull`` first, so that a
+    progress line cannot crash the run before it saves. Output redirected to a file is
+    left alone; the run's records are in its folder either way.
 
     Only installed in the main thread (elsewhere ``signal.signal`` is not allowed), and
     not for a signal whose current handler is ``SIG_IGN``. A second signal of a kind
@@ -28,17 +35,22 @@ class StopSignals:
     come back on exit.
     """
 
-    SIGNALS = ("SIGTERM", "SIGINT")
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self._terminals: list[int] = []
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
+        # Asked now: once the terminal has hung up, isatty() on it is False.
+        self._terminals = [fd for fd in (1, 2) if _isatty(fd)]
         for name in self.SIGNALS:
-            signum = getattr(signal, name)
+            signum = getattr(signal, name, None)
+            if signum is None:  # no SIGHUP on Windows
+                continue
             previous = signal.getsignal(signum)
             if previous is signal.SIG_IGN:
                 continue
@@ -49,6 +61,8 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            if self.received == "SIGHUP":
+                detach_terminal(self._terminals)
             return
         previous = self._previous.pop(signum, signal.SIG_DFL)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
@@ -61,6 +75,28 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+def detach_terminal(targets: list[int]) -> None:
+    """Point the file descriptors ``targets`` (those of 1 and 2 that were terminals) at
+    ``os.devnull``."""
+    # Not flushed first: what Python still buffers could not reach the closed terminal
+    # anyway, and a flush inside a signal handler can re-enter a write in progress.
+    if not targets:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in targets:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def any_process(flag: bool) -> bool:

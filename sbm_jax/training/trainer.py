@@ -242,7 +242,7 @@ def train_and_evaluate(
     Returns:
       The summary (also written to summary.json), or, when stopped early,
       ``{"stopped_at": step, "output_dir": ..., "reason": ...}`` with reason
-      ``"stop_after"``, ``"SIGTERM"`` or ``"SIGINT"`` (the latest checkpoint holds
+      ``"stop_after"``, ``"SIGTERM"``, ``"SIGINT"`` or ``"SIGHUP"`` (the latest checkpoint holds
       ``step``; running again resumes).
 
     Raises:
