@@ -161,6 +161,33 @@ def test_output_dir_that_cannot_be_created_names_output_dir(tmp_path):
     assert os.path.isdir(made)
 
 
+@pytest.mark.parametrize("part", ["checkpoints", "checkpoints/best", "tensorboard"])
+def test_a_run_folder_whose_parts_cannot_be_written_is_refused_before_training(part, tmp_path):
+    """A file where the run keeps a directory used to fail at the first checkpoint save
+    (or first metrics write) with a traceback, after the training it could not save."""
+    run = tmp_path / "run"
+    (run / part).parent.mkdir(parents=True, exist_ok=True)
+    (run / part).write_text("in the way")
+    with pytest.raises(ConfigError, match=f"output_dir=.*: {part} is not a directory"):
+        prepare_output_dir(str(run))
+    (run / part).unlink()
+    (run / "metrics.jsonl").mkdir()
+    with pytest.raises(ConfigError, match="metrics.jsonl is a directory"):
+        prepare_output_dir(str(run))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_checkpoints_folder_is_refused_before_training(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints").chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="checkpoints/ is not writable"):
+            prepare_output_dir(str(run))
+    finally:
+        (run / "checkpoints").chmod(0o700)
+
+
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "config_presets.json")
 
 

@@ -253,6 +253,23 @@ def test_a_folder_with_records_but_no_run_is_not_overwritten(tmp_path):
     assert "my own data" in (folder / "metrics.jsonl").read_text()
 
 
+def test_a_run_folder_part_in_the_way_is_one_line_naming_the_flag_given(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "checkpoints").write_text("in the way")
+    status, out, err = run_train(*TINY, "--config.train.num_steps=2", f"--output_dir={folder}")
+    assert status == 2 and "Traceback" not in err, err
+    assert (
+        err.strip()
+        == f"error: --output_dir={str(folder)!r}: checkpoints is not a directory (move it away)"
+    )
+    assert not (folder / "metrics.jsonl").exists()  # refused before any training
+    status, out, err = run_train(
+        *TINY, "--config.train.num_steps=2", f"--config.output_dir={folder}"
+    )
+    assert status == 2 and f"error: config.output_dir={str(folder)!r}: checkpoints" in err, err
+
+
 def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **compile_cache.env(cache))
     env["XLA_FLAGS"] = xla_flags()  # the suite's compile flags, no device count

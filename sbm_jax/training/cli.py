@@ -440,11 +440,17 @@ def main(
     from sbm_jax.training.summary import format_run_summary
     from sbm_jax.training.trainer import train_and_evaluate
 
+    def config_error(e: ConfigError) -> str:
+        # Messages about the run folder start "output_dir=": name what the user set.
+        if fv.output_dir and str(e).startswith("output_dir="):
+            return "--" + " ".join(str(e).split())
+        return one_line([str(e)], config)
+
     try:
         output_dir = resolve_output_dir(config, fv.output_dir)
         resuming = check_resume(output_dir, config)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(config_error(e))
     if fv.dry_run:
         what = "resume the run in" if resuming else "train a new run in"
         out.write(f"config OK; would {what} {output_dir}\n")
@@ -461,7 +467,7 @@ def main(
                 return fail(one_line([str(e)], config))
             summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
     except ConfigError as e:
-        return fail(one_line([str(e)], config))
+        return fail(config_error(e))
     except CheckpointError as e:
         return fail(str(e))
     except NonFiniteError as e:

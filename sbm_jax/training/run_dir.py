@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -206,17 +207,51 @@ def check_resume(output_dir: str, config: Any) -> bool:
     return True
 
 
+#: What a run writes inside its folder: directories, then files. Each one that exists
+#: already (a run being resumed, or a folder reused) must be of its kind and writable.
+RUN_DIRECTORIES = ("checkpoints", "checkpoints/latest", "checkpoints/best", "tensorboard")
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "metrics.csv", "metrics.png", "summary.json")
+
+
 def prepare_output_dir(path: str) -> str:
-    """Create ``path`` (and parents); a failure raises ``ConfigError`` naming output_dir."""
+    """Create ``path`` (and parents) and check that the run can write what it writes
+    there (:data:`RUN_DIRECTORIES`, :data:`RUN_FILES`): a failure raises ``ConfigError``
+    naming output_dir and the part, before any training, not at the first checkpoint.
+
+    Directories are probed by creating and removing a file in them: ``os.access`` says
+    yes to root on a read-only mount, and no where ACLs would allow.
+    """
     if not path:
         raise ConfigError("output_dir is empty")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"output_dir={path!r} cannot be created: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK):
+    if not _can_write_in(path):
         raise ConfigError(f"output_dir={path!r} is not writable")
+    for name in RUN_DIRECTORIES:
+        part = os.path.join(path, name)
+        if os.path.lexists(part) and not os.path.isdir(part):
+            raise ConfigError(f"output_dir={path!r}: {name} is not a directory (move it away)")
+        if os.path.isdir(part) and not _can_write_in(part):
+            raise ConfigError(f"output_dir={path!r}: {name}/ is not writable")
+    for name in RUN_FILES:
+        part = os.path.join(path, name)
+        if os.path.isdir(part):
+            raise ConfigError(f"output_dir={path!r}: {name} is a directory (move it away)")
+        if os.path.exists(part) and not os.access(part, os.W_OK):
+            raise ConfigError(f"output_dir={path!r}: {name} is not writable")
     return path
+
+
+def _can_write_in(directory: str) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(probe)
+    return True
 
 
 def _kept(record: Mapping[str, Any], step: int) -> bool:
