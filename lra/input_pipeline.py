@@ -51,7 +51,8 @@ def dataset_dir(data_dir: str | os.PathLike, task: str, config: str | None = Non
     """
     spec = tasks.get_task(task)
     config = spec.default_config if config is None else config
-    parts = [os.fspath(data_dir), spec.builder_name] + ([config] if config else [])
+    data_dir = os.path.expanduser(os.fspath(data_dir))  # "~/..." as lra.prepare reads it
+    parts = [data_dir, spec.builder_name] + ([config] if config else [])
     base = os.path.join(*parts)
     versions = []
     if os.path.isdir(base):
@@ -61,10 +62,28 @@ def dataset_dir(data_dir: str | os.PathLike, task: str, config: str | None = Non
                 if os.path.isfile(os.path.join(base, entry, "dataset_info.json")):
                     versions.append(tuple(int(x) for x in pieces))
     if not versions:
+        others = prepared_configs(data_dir, task)
+        listed = f"; prepared there: {', '.join(others)} (task.data_config)" if others else ""
         raise FileNotFoundError(
-            f"no prepared LRA {task!r} dataset in {base}; {prepare_hint(task, config, data_dir)}"
+            f"no prepared LRA {task!r} dataset in {base}{listed}; "
+            f"{prepare_hint(task, config, data_dir)}"
         )
     return os.path.join(base, ".".join(str(x) for x in max(versions)))
+
+
+def prepared_configs(data_dir: str | os.PathLike, task: str) -> list[str]:
+    """Names of ``task``'s builder configs prepared (some version) under ``data_dir``."""
+    root = os.path.join(os.path.expanduser(os.fspath(data_dir)), tasks.get_task(task).builder_name)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if os.path.isdir(folder) and any(
+            os.path.isfile(os.path.join(folder, v, "dataset_info.json")) for v in os.listdir(folder)
+        ):
+            found.append(name)
+    return found
 
 
 def prepare_hint(task: str, config: str | None, data_dir: str | os.PathLike) -> str:
@@ -107,8 +126,19 @@ def open_split(
     spec = tasks.get_task(task)
     if split not in spec.splits:
         raise ValueError(f"split must be one of {sorted(spec.splits)}, got {split!r}")
-    builder = tfds.builder_from_directory(dataset_dir(data_dir, task, config))
-    return builder.as_data_source(split=spec.splits[split])
+    directory = dataset_dir(data_dir, task, config)
+    builder = tfds.builder_from_directory(directory)
+    name = spec.splits[split]
+    present = sorted(builder.info.splits.keys())
+    if name.split("[", 1)[0] not in present:
+        # A generated config prepared with --num_validation=0 (or --num_test=0) has no
+        # such split: TFDS cannot write an empty one.
+        raise ValueError(
+            f"the prepared LRA {task!r} dataset in {directory} has no {name!r} split (it has "
+            f"{present}); training reads train, validation and test: prepare a config with "
+            f"all three (--num_{split}=N >= 1)"
+        )
+    return builder.as_data_source(split=name)
 
 
 class SequenceTooLong(ValueError):
@@ -272,7 +302,8 @@ def make_dataset(
       batch_size: rows per host batch B.
       max_length: L; default the task's reference length.
       truncate: cut longer sequences to L (else they raise ``SequenceTooLong``).
-      shard_index, shard_count: this host's share of the examples (strided).
+      shard_index, shard_count: this host's share of the examples (strided); every
+        share has the same number of batches (the short ones end in padding rows).
       worker_count: > 0 runs the transforms in that many worker processes.
 
     Returns:
@@ -286,15 +317,38 @@ def make_dataset(
     length = spec.max_length if max_length is None else max_length
     if length < 1:
         raise ValueError(f"max_length must be >= 1, got {length}")
+    pad = PadAndMask(max_length=length, dual_input=spec.dual_input, truncate=truncate)
     ds = grain.MapDataset.source(source)
     if shard_count > 1:
-        ds = ds[shard_index::shard_count]
-    ds = ds.map(PadAndMask(max_length=length, dual_input=spec.dual_input, truncate=truncate))
+        ds = _equal_shard(ds, pad, shard_index, shard_count)
+    else:
+        ds = ds.map(pad)
     ds = ds.batch(batch_size, drop_remainder=False).map(FillBatch(batch_size))
     it_ds = ds.to_iter_dataset()
     if worker_count > 0:
         it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
     return it_ds
+
+
+def _equal_shard(
+    ds: grain.MapDataset, pad: PadAndMask, shard_index: int, shard_count: int
+) -> grain.MapDataset:
+    """Examples ``shard_index::shard_count`` of ``ds``, padded, then filled up with
+    all-padding examples (every field 0: ``example_mask`` False) to ``ceil(N /
+    shard_count)``, so that every host gets the same number of batches: hosts that
+    evaluate in step (a collective per batch) would otherwise wait for one another's
+    extra batch forever."""
+    total = len(ds)
+    per_shard = -(-total // shard_count)
+    filler = None
+    if total:
+        filler = {k: np.zeros_like(v) for k, v in pad.map(ds[0]).items()}
+
+    def example(position: int, _: Any) -> Batch:
+        index = shard_index + position * shard_count
+        return pad.map(ds[index]) if index < total else dict(filler)
+
+    return grain.MapDataset.range(per_shard).map_with_index(example)
 
 
 def create_dataset(

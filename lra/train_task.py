@@ -52,7 +52,12 @@ SOURCES = ("tfds", "generated", "mock")
 
 def default_data_dir() -> str:
     """``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets`` (TFDS's own default)."""
-    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+    return os.path.expanduser(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets")
+
+
+def data_dir_of(cfg: Any) -> str:
+    """``task.data_dir`` with ``~`` expanded, or :func:`default_data_dir`."""
+    return os.path.expanduser(cfg.get("data_dir") or default_data_dir())
 
 
 class MockSource:
@@ -104,10 +109,31 @@ def generated_config(task: str, cfg: Any) -> Any:
         raise ValueError(f"task.generate={options} is not valid for {task!r}: {e}") from None
 
 
+def prepare_generated(task: str, config: Any, data_dir: str) -> None:
+    """Generate and write the dataset of builder ``config`` under ``data_dir``.
+
+    Every process of a job does this when the dataset is missing (on hosts with their
+    own disks each needs its copy). On a shared ``data_dir`` they race: TFDS writes
+    into a private temporary folder and renames it at the end, and the renames after
+    the first fail because the folder exists. The dataset is then complete (the rename
+    is atomic), so a process whose write failed uses it if it is there.
+    """
+    try:
+        builders.make_builder(task, config, data_dir=data_dir).download_and_prepare(
+            file_format="array_record"
+        )
+    except Exception as error:
+        try:
+            input_pipeline.dataset_dir(data_dir, task, config.name)
+        except FileNotFoundError:
+            raise error from None  # the write failed and nobody else made it
+        print(f"{task} dataset {config.name!r} was written by another process; using it")
+
+
 def _data_config(task: str, cfg: Any) -> str | None:
     """The builder config name to read; for source="generated" the dataset is prepared
     under data_dir first if missing."""
-    data_dir = cfg.get("data_dir") or default_data_dir()
+    data_dir = data_dir_of(cfg)
     if cfg.source == "generated":
         if task not in ("listops", "pathfinder"):
             raise ValueError(
@@ -117,9 +143,7 @@ def _data_config(task: str, cfg: Any) -> str | None:
         try:
             input_pipeline.dataset_dir(data_dir, task, config.name)
         except FileNotFoundError:
-            builders.make_builder(task, config, data_dir=data_dir).download_and_prepare(
-                file_format="array_record"
-            )
+            prepare_generated(task, config, data_dir)
         return config.name
     return cfg.get("data_config") or None
 
@@ -137,7 +161,7 @@ def open_sources(task: str, config: Any) -> dict[str, Any]:
             split: MockSource(task, split, n, int(cfg.max_length), int(config.seed))
             for split in ("train", "validation", "test")
         }
-    data_dir = cfg.get("data_dir") or default_data_dir()
+    data_dir = data_dir_of(cfg)
     data_config = _data_config(task, cfg)
     return {
         split: input_pipeline.open_split(data_dir, task, split, data_config)
@@ -219,7 +243,14 @@ def check_config(task: str, config: Any) -> None:
             raise ValueError(
                 f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
             )
-        generated_config(task, cfg)
+        generated = generated_config(task, cfg)
+        for split in ("train", "validation", "test"):
+            size = getattr(generated, f"num_{split}")
+            if size < 1:
+                raise ValueError(
+                    f"task.generate.num_{split}={size} must be >= 1: training reads the "
+                    "train, validation and test splits"
+                )
 
 
 def check_lengths(source: Any, task: str, split: str, config: Any, where: str) -> None:
@@ -243,7 +274,7 @@ def _where(task: str, config: Any) -> str:
     cfg = config.task
     if cfg.source == "mock":
         return "the mock data"
-    data_dir = cfg.get("data_dir") or default_data_dir()
+    data_dir = data_dir_of(cfg)
     try:
         return input_pipeline.dataset_dir(data_dir, task, _data_config(task, cfg))
     except FileNotFoundError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import tensorflow_datasets as tfds
@@ -53,6 +54,11 @@ def make_builder(
     cls = BUILDERS[task] if task in BUILDERS else None
     if cls is None:
         raise ValueError(f"unknown LRA task {task!r}; choose from {sorted(BUILDERS)}")
+    for name in ("data_dir", "catalog_data_dir"):
+        # "--data_dir=~/x": the shell leaves ~ after "=" alone, TFDS expands it in some
+        # places and not others; expanded here, the dataset lands where it is looked for.
+        if kwargs.get(name):
+            kwargs[name] = os.path.expanduser(os.fspath(kwargs[name]))
     if config is not None:
         # TFDS wants predefined configs by name, custom ones as objects.
         predefined = {c.name: c for c in cls.BUILDER_CONFIGS}

@@ -102,6 +102,19 @@ def iter_tsv(
         yield number, fields
 
 
+def require_examples(examples: Iterator[Any], path: str | os.PathLike) -> Iterator[Any]:
+    """``examples`` (a builder's generator over the rows of ``path``) as they come; a
+    file with no example at all (empty, or only its header) raises
+    ``MalformedFileError`` naming it. TFDS would stop at the end of the split with
+    "No examples were yielded", naming neither the file nor the cause."""
+    count = 0
+    for example in examples:
+        count += 1
+        yield example
+    if not count:
+        raise MalformedFileError(path, 1, "no examples (the file is empty or holds only a header)")
+
+
 def parse_label(
     raw: bytes, num_classes: int, path: str | os.PathLike, line: int, column: str
 ) -> int:

@@ -137,7 +137,7 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
         """Release: the rows of `path`.  Generated: `num_<split>` fresh expressions."""
         cfg = self.builder_config
         if path is not None:
-            yield from self._release_examples(path)
+            yield from common.require_examples(self._release_examples(path), path)
             return
         num_examples = {
             "train": cfg.num_train,

@@ -129,6 +129,12 @@ class LraPathfinder(tfds.core.GeneratorBasedBuilder):
             out = {}
             for split, (lo, hi) in RELEASE_FRACTIONS.items():
                 part = rows[int(round(lo * len(rows))) : int(round(hi * len(rows)))]
+                if not part:  # TFDS cannot write an empty split
+                    where = os.path.dirname(rows[0][0]) if rows else "the release metadata"
+                    raise ValueError(
+                        f"{where}: {len(rows)} images are too few for the {split} split "
+                        f"({hi - lo:.0%} of them): it would be empty"
+                    )
                 out[split] = self._generate_examples(split=split, rows=part)
             return out
         sizes = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}

@@ -75,6 +75,9 @@ class LraRetrieval(tfds.core.GeneratorBasedBuilder):
         }
 
     def _generate_examples(self, path: str):
+        yield from common.require_examples(self._release_examples(path), path)
+
+    def _release_examples(self, path: str):
         max_length = self.builder_config.max_length
         for line, fields in common.iter_tsv(path, len(COLUMNS)):
             if line == 1 and fields[0].strip() == b"label":

@@ -139,18 +139,31 @@ def test_eval_fills_last_batch(small_listops_dir):
 def test_shards_partition_the_data(small_listops_dir):
     data_dir, config = small_listops_dir
     source = input_pipeline.open_split(data_dir, "listops", "validation", config)
-    seen = []
+    assert len(source) == 11  # 4 + 4 + 3 over three hosts
+    seen, batches = [], []
     for shard in range(3):
         ds = input_pipeline.make_dataset(
             source,
             task="listops",
-            batch_size=1,
+            batch_size=3,
             max_length=64,
             shard_index=shard,
             shard_count=3,
         )
-        seen += [bytes(b["inputs"][0][b["mask"][0]]) for b in ds]
+        shard_batches = list(ds)
+        batches.append(len(shard_batches))
+        for b in shard_batches:
+            seen += [
+                bytes(row[m])
+                for row, m, e in zip(b["inputs"], b["mask"], b["example_mask"], strict=True)
+                if e
+            ]
+            filler = ~b["example_mask"]
+            assert not b["mask"][filler].any() and not b["inputs"][filler].any()
     assert sorted(seen) == sorted(bytes(source[i]["inputs"]) for i in range(len(source)))
+    # Every host gets the same number of batches (ceil(4 / 3) = 2), so hosts evaluating
+    # in step all stop together; unequal shards used to give the last host one batch.
+    assert batches == [2, 2, 2], batches
 
 
 def test_dual_inputs_for_retrieval():
@@ -253,3 +266,94 @@ def test_bad_arguments_are_named():
             ),
             0,
         )
+
+
+def _prepare_listops(data_dir: str, **sizes: int) -> str:
+    from lra import builders
+
+    config = builders.make_config("listops", min_length=10, max_length=60, **sizes)
+    builders.make_builder("listops", config, data_dir=data_dir).download_and_prepare(
+        file_format="array_record"
+    )
+    return config.name
+
+
+def test_a_data_dir_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    # The shell leaves "~" in "--data_dir=~/x" alone: prepare used to write into a folder
+    # named "~" under the working directory while training looked in the home folder.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    name = _prepare_listops("~/tfds", num_train=8, num_validation=2, num_test=2)
+    found = input_pipeline.dataset_dir("~/tfds", "listops", name)
+    assert found.startswith(str(home / "tfds" / "lra_listops" / name))
+    assert not (work / "~").exists()
+    assert len(input_pipeline.open_split("~/tfds", "listops", "test", name)) == 2
+
+
+def test_a_prepared_config_without_a_split_is_named(tmp_path):
+    name = _prepare_listops(str(tmp_path), num_train=8, num_validation=0, num_test=2)
+    assert len(input_pipeline.open_split(str(tmp_path), "listops", "test", name)) == 2
+    with pytest.raises(ValueError) as err:
+        input_pipeline.open_split(str(tmp_path), "listops", "validation", name)
+    message = str(err.value)
+    assert f"dataset in {tmp_path}/lra_listops/{name}/" in message
+    assert "has no 'validation' split (it has ['test', 'train'])" in message
+    assert "--num_validation=N >= 1" in message
+
+
+def test_an_unknown_data_config_lists_the_prepared_ones(small_listops_dir):
+    data_dir, name = small_listops_dir
+    with pytest.raises(FileNotFoundError) as err:
+        input_pipeline.dataset_dir(data_dir, "listops", "nope")
+    assert f"prepared there: {name} (task.data_config)" in str(err.value)
+
+
+def test_generated_sizes_of_zero_are_refused_before_any_data_is_written():
+    from configs.lra import listops
+    from lra import train_task
+
+    config = listops.get_config("full,smoke")
+    config.task.source = "generated"
+    config.task.generate.num_test = 0
+    with pytest.raises(ValueError, match=r"task.generate.num_test=0 must be >= 1"):
+        train_task.check_config("listops", config)
+
+
+def test_a_dataset_another_process_finished_is_used(tmp_path, monkeypatch):
+    """Processes of one job sharing data_dir all generate a missing dataset; TFDS's
+    final rename fails for all but the first. The loser must use the winner's copy."""
+    from lra import builders, train_task
+
+    config = builders.make_config(
+        "listops", num_train=8, num_validation=2, num_test=2, min_length=10, max_length=60
+    )
+    real = builders.make_builder
+
+    class Loser:
+        def __init__(self, *args, **kwargs):
+            self.winner = real(*args, **kwargs)
+
+        def download_and_prepare(self, **kwargs):
+            self.winner.download_and_prepare(**kwargs)  # the other process, first
+            raise FileExistsError("Cannot rename incomplete.abc_1.0.0: 1.0.0 exists")
+
+    monkeypatch.setattr(builders, "make_builder", Loser)
+    train_task.prepare_generated("listops", config, str(tmp_path))
+    assert len(input_pipeline.open_split(str(tmp_path), "listops", "train", config.name)) == 8
+
+    class Broken:  # nothing was written by anyone: the write's own error
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def download_and_prepare(self, **kwargs):
+            raise OSError("disk full")
+
+    monkeypatch.setattr(builders, "make_builder", Broken)
+    other = builders.make_config(
+        "listops", num_train=9, num_validation=2, num_test=2, min_length=10, max_length=60
+    )
+    with pytest.raises(OSError, match="disk full"):
+        train_task.prepare_generated("listops", other, str(tmp_path))

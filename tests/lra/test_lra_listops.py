@@ -254,6 +254,26 @@ def test_malformed_release_line_names_file_and_line(fixtures_dir, tmp_path, bad_
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("content", ["", "Source\tTarget\n"])
+def test_a_release_file_without_examples_is_named(fixtures_dir, tmp_path, content):
+    manual = tmp_path / "manual"
+    shutil.copytree(os.path.join(fixtures_dir, "listops"), manual)
+    path = manual / "basic_train.tsv"
+    path.write_text(content)
+    b = builders.make_builder(
+        "listops",
+        builders.make_config("listops", source="release"),
+        data_dir=str(tmp_path / "data"),
+    )
+    from tensorflow_datasets.core.download import DownloadConfig
+
+    with pytest.raises(builders.MalformedFileError, match="no examples") as err:
+        b.download_and_prepare(
+            file_format="array_record", download_config=DownloadConfig(manual_dir=str(manual))
+        )
+    assert str(err.value).startswith(f"{path}:1: ")
+
+
 def test_missing_release_files_message(tmp_path):
     b = builders.make_builder(
         "listops",

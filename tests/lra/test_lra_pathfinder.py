@@ -218,6 +218,20 @@ def test_release_malformed_metadata(tmp_path, line, message):
     assert message in str(err.value)
 
 
+def test_a_release_set_too_small_to_split_is_named(tmp_path):
+    _write_release(tmp_path / "manual", "curv_contour_length_14", [1, 0, 1])  # 10% of 3: 0
+    b = builders.make_builder(
+        "pathfinder",
+        builders.make_config("pathfinder", source="release"),
+        data_dir=str(tmp_path / "data"),
+    )
+    with pytest.raises(ValueError, match="3 images are too few for the test split"):
+        b.download_and_prepare(
+            file_format="array_record",
+            download_config=DownloadConfig(manual_dir=str(tmp_path / "manual")),
+        )
+
+
 def test_rgb_release_image_is_an_error_with_its_path(tmp_path):
     """A colour image would have been converted to grey without a word; it is refused."""
     _write_release(tmp_path / "manual", "curv_contour_length_14", [1, 0])

@@ -83,6 +83,18 @@ def test_malformed_lines_name_file_and_line(tmp_path, bad, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("content", [b"", b"label\tid1\tid2\ttext1\ttext2\n"])
+def test_a_file_without_examples_is_named(tmp_path, content):
+    # TFDS's own error ("No examples were yielded") names neither the file nor the cause.
+    manual = tmp_path / "manual"
+    _write(manual)
+    path = manual / retrieval.RELEASE_FILES["test"]
+    path.write_bytes(content)
+    with pytest.raises(builders.MalformedFileError, match="no examples") as err:
+        _prepare(tmp_path, manual)
+    assert str(err.value).startswith(f"{path}:1: ")
+
+
 def test_missing_files_message(tmp_path):
     manual = tmp_path / "manual"
     manual.mkdir()
