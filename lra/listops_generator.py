@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 
@@ -112,20 +112,25 @@ def count_expressions(params: ListOpsParams, cap: int = 2**62) -> int:
 
 
 def check_sizes(params: ListOpsParams, sizes: dict[str, int]) -> None:
-    """Raise ``ValueError`` when a split asks for more distinct expressions than the
-    parameters allow (``count_expressions``)."""
-    largest = max(sizes.values(), default=0)
-    if largest <= 0:
+    """Raise ``ValueError`` when the splits together ask for more distinct expressions
+    than the parameters allow (``count_expressions``): no expression is in two splits."""
+    total = sum(max(0, n) for n in sizes.values())
+    if total <= 0:
         return
-    available = count_expressions(params, cap=largest)
-    if available < largest:
-        split = max(sizes, key=lambda k: sizes[k])
+    available = count_expressions(params, cap=total)
+    if available < total:
+        asked = " + ".join(f"{n} {split}" for split, n in sizes.items() if n > 0)
         raise ValueError(
-            f"ListOps cannot give {largest} distinct {split} examples with "
+            f"ListOps cannot give {total} distinct examples ({asked}) with "
             f"{params.min_length} < length < {params.max_length} (max_depth="
             f"{params.max_depth}, max_args={params.max_args}): only {available} such "
             "expressions exist; widen the lengths or ask for fewer examples"
         )
+
+
+def expression_digest(ids: np.ndarray) -> bytes:
+    """The key under which duplicates are found: a hash of the token ids."""
+    return hashlib.blake2b(np.asarray(ids, np.int32).tobytes(), digest_size=16).digest()
 
 
 def _apply(op_index: int, args: list[int]) -> int:
@@ -178,34 +183,81 @@ def sample_expression(rng: random.Random, params: ListOpsParams) -> tuple[np.nda
     )
 
 
+#: The order in which generated splits exclude one another: an expression of a split
+#: is never one of a split before it.
+SPLIT_ORDER = ("train", "validation", "test")
+
+
+def earlier_digests(
+    params: ListOpsParams,
+    *,
+    seed: int,
+    sizes: dict[str, int],
+    split: str,
+    cache: dict[str, frozenset[bytes]] | None = None,
+) -> frozenset[bytes]:
+    """The digests of the splits before ``split`` in :data:`SPLIT_ORDER`: what
+    ``split`` must not repeat (``generate_split(..., exclude=...)``), as the LRA
+    reference drops duplicates over the whole set before splitting it.
+
+    ``cache`` maps a split to its digests; a split not in it is generated (with its own
+    exclusions) and added. A builder that records each split's digests as it writes
+    them, in this order, generates nothing twice.
+    """
+    if split not in SPLIT_ORDER:
+        raise ValueError(f"split must be one of {SPLIT_ORDER}, got {split!r}")
+    cache = {} if cache is None else cache
+    out: set[bytes] = set()
+    for earlier in SPLIT_ORDER[: SPLIT_ORDER.index(split)]:
+        if sizes.get(earlier, 0) <= 0:
+            continue
+        if earlier not in cache:
+            exclude = earlier_digests(params, seed=seed, sizes=sizes, split=earlier, cache=cache)
+            examples = generate_split(
+                params, seed=seed, split=earlier, num_examples=sizes[earlier], exclude=exclude
+            )
+            cache[earlier] = frozenset(expression_digest(ids) for _, ids, _ in examples)
+        out |= cache[earlier]
+    return frozenset(out)
+
+
 def example_rng(seed: int, split: str, index: int) -> random.Random:
     """The private random stream of one example."""
     return random.Random(f"lra-listops/{seed}/{split}/{index}")
 
 
 def generate_split(
-    params: ListOpsParams, *, seed: int, split: str, num_examples: int
+    params: ListOpsParams,
+    *,
+    seed: int,
+    split: str,
+    num_examples: int,
+    exclude: Collection[bytes] = (),
 ) -> Iterator[tuple[int, np.ndarray, int]]:
     """Yields (index, token ids int32 [length], label) for one split, without duplicates.
 
-    A duplicate of an earlier example of the same split is redrawn from the same
-    example stream, so the output is still a pure function of (params, seed, split).
+    A duplicate of an earlier example of the same split, or an expression whose
+    :func:`expression_digest` is in ``exclude`` (the earlier splits' examples, so that
+    no test expression is also a training one), is redrawn from the same example
+    stream, so the output is still a pure function of (params, seed, split, exclude).
     """
     if num_examples < 0:
         raise ValueError(f"num_examples must be >= 0, got {num_examples}")
-    check_sizes(params, {split: num_examples})
+    check_sizes(params, {split: num_examples, "excluded": len(exclude)})
+    excluded = exclude if isinstance(exclude, (set, frozenset)) else frozenset(exclude)
     seen: set[bytes] = set()
     for index in range(num_examples):
         rng = example_rng(seed, split, index)
         for _ in range(MAX_DUPLICATES_PER_EXAMPLE):
             ids, label = sample_expression(rng, params)
-            digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
-            if digest not in seen:
+            digest = expression_digest(ids)
+            if digest not in seen and digest not in excluded:
                 break
         else:
             raise ValueError(
                 f"ListOps example {index} of split {split!r}: {MAX_DUPLICATES_PER_EXAMPLE} "
-                f"draws in a row repeated earlier examples ({params.min_length} < length < "
+                f"draws in a row repeated earlier examples or ones of earlier splits "
+                f"({params.min_length} < length < "
                 f"{params.max_length}); widen the lengths or ask for fewer examples"
             )
         seen.add(digest)

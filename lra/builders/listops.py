@@ -139,15 +139,21 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
         if path is not None:
             yield from common.require_examples(self._release_examples(path), path)
             return
-        num_examples = {
-            "train": cfg.num_train,
-            "validation": cfg.num_validation,
-            "test": cfg.num_test,
-        }[split]
+        sizes = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}
+        params = cfg.generator_params()
+        # No expression in two splits: each split redraws the ones of the splits before
+        # it. TFDS writes the splits in order, so their digests are at hand by then.
+        cache = self.__dict__.setdefault("_split_digests", {})
+        exclude = listops_generator.earlier_digests(
+            params, seed=cfg.seed, sizes=sizes, split=split, cache=cache
+        )
+        mine = []
         for index, ids, label in listops_generator.generate_split(
-            cfg.generator_params(), seed=cfg.seed, split=split, num_examples=num_examples
+            params, seed=cfg.seed, split=split, num_examples=sizes[split], exclude=exclude
         ):
+            mine.append(listops_generator.expression_digest(ids))
             yield index, {"inputs": ids, "targets": label}
+        cache[split] = frozenset(mine)
 
     def _release_examples(self, path: str):
         for line, (source, target) in common.iter_tsv(path, 2, header=("Source", "Target")):

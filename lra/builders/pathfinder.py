@@ -28,6 +28,12 @@ KNOWN_BROKEN_RELEASE_FILES = frozenset({"curv_baseline/imgs/0/sample_172.png"})
 RELEASE_FRACTIONS = {"train": (0.0, 0.8), "validation": (0.8, 0.9), "test": (0.9, 1.0)}
 
 
+def _fail(message: str):
+    """A split generator that raises ``ValueError(message)`` when it is read."""
+    raise ValueError(message)
+    yield  # a generator: the error comes when TFDS reads this split, after the others
+
+
 @dataclasses.dataclass
 class PathfinderConfig(tfds.core.BuilderConfig):
     """source: 'generated' (our generator) or 'release'; difficulty easy|intermediate|hard."""
@@ -129,13 +135,14 @@ class LraPathfinder(tfds.core.GeneratorBasedBuilder):
             out = {}
             for split, (lo, hi) in RELEASE_FRACTIONS.items():
                 part = rows[int(round(lo * len(rows))) : int(round(hi * len(rows)))]
-                if not part:  # TFDS cannot write an empty split
+                if part:
+                    out[split] = self._generate_examples(split=split, rows=part)
+                else:  # TFDS cannot write an empty split; said when TFDS reaches it
                     where = os.path.dirname(rows[0][0]) if rows else "the release metadata"
-                    raise ValueError(
+                    out[split] = _fail(
                         f"{where}: {len(rows)} images are too few for the {split} split "
                         f"({hi - lo:.0%} of them): it would be empty"
                     )
-                out[split] = self._generate_examples(split=split, rows=part)
             return out
         sizes = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}
         # A split of size 0 is left out (TFDS cannot write empty splits).

@@ -177,6 +177,60 @@ def test_generated_builder_splits(small_listops_dir):
     assert not seen["train"] & seen["test"]
 
 
+def test_no_expression_is_in_two_generated_splits(tmp_path):
+    """At short lengths the splits, each drawn on its own stream, share expressions
+    (8 of 200 test examples were training ones at 4 < length < 12). The builder
+    redraws those; the others are the streams' own draws, unchanged."""
+    sizes = {"train": 2000, "validation": 200, "test": 200}
+    params = listops_generator.ListOpsParams(min_length=4, max_length=12)
+    plain = {
+        split: [
+            ids.tobytes()
+            for _, ids, _ in listops_generator.generate_split(
+                params, seed=0, split=split, num_examples=n
+            )
+        ]
+        for split, n in sizes.items()
+    }
+    assert set(plain["test"]) & set(plain["train"])  # the overlap the builder must remove
+    config = builders.make_config(
+        "listops",
+        num_train=sizes["train"],
+        num_validation=sizes["validation"],
+        num_test=sizes["test"],
+        min_length=4,
+        max_length=12,
+    )
+    builders.make_builder("listops", config, data_dir=str(tmp_path)).download_and_prepare(
+        file_format="array_record"
+    )
+    got = {}
+    for split, n in sizes.items():
+        examples = all_examples(open_split(str(tmp_path), "listops", split, config.name))
+        assert len(examples) == n
+        for ex in examples:
+            assert evaluate_prefix(vocab.decode_listops(ex["inputs"]).split()) == ex["targets"]
+        got[split] = [ex["inputs"].tobytes() for ex in examples]
+        assert len(set(got[split])) == n
+    assert not set(got["train"]) & set(got["validation"])
+    assert not set(got["train"]) & set(got["test"])
+    assert not set(got["validation"]) & set(got["test"])
+    assert got["train"] and sorted(got["train"]) == sorted(plain["train"])
+    # Test examples that were not training or validation ones are kept as drawn.
+    earlier = set(got["train"]) | set(got["validation"])
+    kept = [x for x in plain["test"] if x not in earlier]
+    assert set(kept) <= set(got["test"]) and len(kept) < len(plain["test"])
+    # Without the builder's cache, the exclusions are regenerated: the same test split.
+    exclude = listops_generator.earlier_digests(params, seed=0, sizes=sizes, split="test")
+    alone = [
+        ids.tobytes()
+        for _, ids, _ in listops_generator.generate_split(
+            params, seed=0, split="test", num_examples=200, exclude=exclude
+        )
+    ]
+    assert sorted(alone) == sorted(got["test"])
+
+
 def test_generated_builder_is_reproducible(small_listops_dir, tmp_path):
     data_dir, config_name = small_listops_dir
     config = builders.make_config(
@@ -343,7 +397,7 @@ def test_sizes_that_cannot_be_met_fail_fast():
 
     start = time.perf_counter()
     params = listops_generator.ListOpsParams(min_length=3, max_length=5)
-    with pytest.raises(ValueError, match="cannot give 500 distinct train examples"):
+    with pytest.raises(ValueError, match=r"cannot give 500 distinct examples \(500 train\)"):
         list(listops_generator.generate_split(params, seed=0, split="train", num_examples=500))
     with pytest.raises(ValueError, match="only 400 such expressions exist"):
         builders.make_config("listops", num_train=500, min_length=3, max_length=5)
