@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from glue.tokenizer import SpecialIds
+from glue.tokenizer import SpecialIds, encode_texts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +192,7 @@ def encode_examples(
     longest length. ``unlabelled``: a GLUE test split, whose labels are hidden (stored as -1).
     """
     columns = list(zip(*texts, strict=True)) if texts else []
-    encoded = [
-        [e.ids for e in tokenizer.encode_batch(list(col), add_special_tokens=False)]
-        for col in columns
-    ]
+    encoded = [encode_texts(tokenizer, col) for col in columns]  # plain text: no special ids
     rows, truncated, longest = [], 0, 0
     for i in range(len(texts)):
         b = encoded[1][i] if len(encoded) > 1 else None

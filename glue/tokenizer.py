@@ -5,6 +5,18 @@ convention), ``<cls>`` = 1, ``<sep>`` = 2, ``<mask>`` = 3, ``<unk>`` = 4. A byte
 model starts from all 256 bytes, so ``<unk>`` never occurs in encoded text; it is kept
 so that the vocabulary layout matches RoBERTa's five special tokens (paper vocabulary
 50,265 = RoBERTa's). Ordinary tokens are ids ``NUM_SPECIAL .. vocab_size - 1``.
+
+Text is always plain text: the literal string ``<pad>`` (or ``<mask>``, ``<sep>`` ...)
+in a document or a GLUE sentence is encoded as ordinary bytes, never as the special id.
+Otherwise a sentence quoting ``<pad>`` would hold padding in its middle (masked out of
+attention and pooling), and ``<mask>`` / ``<sep>`` would fake MLM targets or sentence
+boundaries. ``tokenizers`` does this with ``Tokenizer.encode_special_tokens = True``,
+which only stops special tokens from being matched in the input: text without the
+literals encodes to the same ids, so tokenizers and checkpoints made before stay valid.
+The flag is not stored in ``tokenizer.json``, so every tokenizer made or loaded here
+gets it (:func:`plain_text_only`), and :func:`encode_texts` sets it again for a
+tokenizer that came from elsewhere. Training (``BpeTrainer``) never matches special
+tokens in its input, so literals there were always counted as ordinary text.
 """
 
 from __future__ import annotations
@@ -50,6 +62,13 @@ def special_ids(tokenizer: Tokenizer) -> SpecialIds:
     return SpecialIds(*ids)
 
 
+def plain_text_only(tokenizer: Tokenizer) -> Tokenizer:
+    """Make ``tokenizer`` encode special-token literals in text as ordinary text (see the
+    module docstring); returns it."""
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
 def train_tokenizer(
     texts: Iterable[str], vocab_size: int, min_frequency: int = 2, field: str = "vocab_size"
 ) -> Tokenizer:
@@ -83,7 +102,7 @@ def train_tokenizer(
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     special_ids(tokenizer)  # checks the layout
-    return tokenizer
+    return plain_text_only(tokenizer)
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str) -> str:
@@ -110,9 +129,15 @@ def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
     except Exception as e:  # the Rust side raises plain Exception subclasses
         raise ValueError(f"{flag}={path!r} is not a valid tokenizer.json: {e}") from None
     special_ids(tokenizer)
-    return tokenizer
+    return plain_text_only(tokenizer)
 
 
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens."""
+    """Token ids of each text as plain text: no special tokens are added, and none are
+    matched in the text (a literal ``<pad>`` is ordinary bytes, see the module docstring).
+
+    The one place the GLUE code encodes text (pretraining corpus and fine-tuning
+    sentences), so the rule holds for a tokenizer not loaded by :func:`load_tokenizer`.
+    """
+    plain_text_only(tokenizer)
     return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]

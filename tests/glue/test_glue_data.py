@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -11,8 +12,10 @@ from glue.corpus import pack_sequences, read_local_corpus, split_documents
 from glue.data import EpochStream, join_pair, steps_for_epochs
 from glue.tokenizer import (
     MIN_VOCAB_SIZE,
+    NUM_SPECIAL,
     SPECIAL_TOKENS,
     SpecialIds,
+    encode_texts,
     load_tokenizer,
     save_tokenizer,
     special_ids,
@@ -70,6 +73,83 @@ def test_tokenizer_train_save_load(tmp_path, corpus_glob):
     assert all(i >= len(SPECIAL_TOKENS) for i in ids)  # byte-level: no <unk>
     assert loaded.decode(ids).strip() == text
     assert load_tokenizer(str(tmp_path)).get_vocab_size() == tokenizer.get_vocab_size()
+
+
+# Text with every special literal, alone, doubled, glued to words and at the ends.
+LITERAL_TEXTS = (
+    [f"the {t} token, {t}{t} and x{t}y at the end {t}" for t in SPECIAL_TOKENS]
+    + [f"{t} first" for t in SPECIAL_TOKENS]
+    + ["".join(SPECIAL_TOKENS)]
+)
+PLAIN_TEXTS = [
+    "Attention over sparse graphs samples edges per head.",
+    "A < b and c > d, but <p> is markup; pad, mask and sep are words.",
+    "Über 𝛿 = 0.01 — naïve text",
+]
+
+
+def test_special_token_literals_are_plain_text(tmp_path, corpus_glob):
+    """A sentence quoting ``<pad>`` (``<mask>``, ``<sep>`` ...) must not get the special
+    id: ``<pad>`` would be padding inside the sentence, ``<sep>`` a fake boundary."""
+    from tokenizers import Tokenizer
+
+    trained = train_tokenizer(read_local_corpus(corpus_glob), 400)
+    path = save_tokenizer(trained, str(tmp_path))
+    loaded = load_tokenizer(path)
+    # Expected ids of plain text: the library as it is, before any GLUE setting (how
+    # tokenizers and checkpoints made before this rule encoded it).
+    before = [
+        e.ids for e in Tokenizer.from_file(path).encode_batch(PLAIN_TEXTS, add_special_tokens=False)
+    ]
+    # A tokenizer loaded elsewhere matches the literals; encode_texts still must not.
+    for tokenizer in (trained, loaded, Tokenizer.from_file(path)):
+        for text, ids in zip(LITERAL_TEXTS, encode_texts(tokenizer, LITERAL_TEXTS), strict=True):
+            assert min(ids) >= NUM_SPECIAL, (text, ids)
+            assert tokenizer.decode(ids).strip() == text  # the literal comes back as text
+        assert encode_texts(tokenizer, PLAIN_TEXTS) == before
+    # Expected ids of the literals: the same BPE with no special tokens registered at
+    # all, so nothing can match them ("<pad>" is spelt as "<", "pad", ">" would be).
+    saved = json.loads(Tokenizer.from_file(path).to_str())
+    saved["added_tokens"] = []
+    bare = Tokenizer.from_str(json.dumps(saved))
+    expected = [e.ids for e in bare.encode_batch(LITERAL_TEXTS, add_special_tokens=False)]
+    assert encode_texts(loaded, LITERAL_TEXTS) == expected
+
+
+def test_special_token_literals_in_glue_examples_and_corpus(corpus_glob):
+    """Fine-tuning rows keep a quoted ``<pad>`` inside the attention mask, and packed
+    pretraining sequences hold only the separators and padding that packing put there."""
+    import ml_collections
+
+    from glue.data import encode_examples
+    from glue.mlm import pack_corpus
+
+    tokenizer = train_tokenizer(read_local_corpus(corpus_glob), 400)
+    special = special_ids(tokenizer)
+    split = encode_examples(
+        [("a <pad> b <mask>", "<sep> c <cls> d <unk>")], [1], tokenizer, 64, special, 2
+    )
+    row = split.ids[split.offsets[0] : split.offsets[1]]
+    seps = [i for i, t in enumerate(row) if t == special.sep]
+    assert row[0] == special.cls and seps[-1] == len(row) - 1 and len(seps) == 2
+    assert min(np.delete(row, [0, *seps])) >= NUM_SPECIAL
+    batch = split.batch(np.array([0]), 64, special.pad)
+    assert batch["mask"][0].sum() == len(row)  # every token of the example is attended
+
+    docs = [f"doc {i} quotes {t} here" for i, t in enumerate(SPECIAL_TOKENS)]
+    config = ml_collections.ConfigDict(
+        {"seed": 0, "data": {"max_len": 16, "eval_fraction": 0.0, "eval_sequences_max": 1}}
+    )
+    data = pack_corpus(config, tokenizer, docs)
+    for packed in (*data.train, *data.eval):  # padding only at the end of a row
+        is_pad = packed == special.pad
+        assert not (is_pad[:-1] & ~is_pad[1:]).any(), packed
+    stream = np.concatenate([data.train[:, 1:], data.eval[:, 1:]]).reshape(-1)
+    stream = stream[stream != special.pad]
+    assert (np.concatenate([data.train[:, 0], data.eval[:, 0]]) == special.cls).all()
+    assert (stream == special.sep).sum() == len(docs)  # one separator per document
+    assert min(stream[stream != special.sep]) >= NUM_SPECIAL
+    assert data.num_tokens == len(stream) + len(data.train) + len(data.eval)
 
 
 def test_errors_name_the_flag(tmp_path):
