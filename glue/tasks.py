@@ -298,7 +298,9 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
 
     train_split = load("train", int(config.data.max_train_examples))
     eval_splits = {s: load(s, int(config.data.max_eval_examples)) for s in spec.eval_splits}
-    test_splits = {s: load(s, int(config.data.max_eval_examples)) for s, _ in spec.test_files}
+    # The unlabelled test splits are read in full whatever data.max_eval_examples says:
+    # a GLUE submission file must hold a prediction for every test example.
+    test_splits = {s: load(s, 0) for s, _ in spec.test_files}
     derive_schedule(config, len(train_split))
     batch_size = int(config.train.batch_size)
     eval_size = int(config.train.get("eval_batch_size", batch_size))

@@ -48,7 +48,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.tfds_data_dir = ""  # TFDS data directory ("" = TFDS default)
     config.data.tokenizer = ""  # tokenizer.json ("" = the one beside init_from's run)
     config.data.max_train_examples = 0  # use only the first N training examples (0: all)
-    config.data.max_eval_examples = 0  # use only the first N examples per eval split (0: all)
+    # Use only the first N examples per validation split (0: all); the unlabelled test
+    # splits are always predicted in full (predictions/ must cover every example).
+    config.data.max_eval_examples = 0
 
     config.model = model_config(mechanism, size, pooling="mean", num_classes=spec.num_classes)
 
