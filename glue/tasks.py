@@ -10,12 +10,13 @@ summary.json's config. The run directory gets ``tokenizer.json``.
 
 ``glue_<task>``: ``config.init_from`` names the pretraining run (or one of its
 checkpoints); the encoder fields of ``model`` are taken from that checkpoint's config,
-its tokenizer from beside it (or ``data.tokenizer``), and the trainer puts the
-pretrained encoder into the fresh classifier (``glue.models.transplant_encoder``). The
-dev split (MNLI: matched) is evaluated during training with accuracy, F1 and macro-F1
-and picks the best checkpoint (``checkpoint.best_metric``); every validation split is
-scored at the best checkpoint, and the unlabelled test split(s) are predicted there and
-written in the GLUE submission format (``predictions/SST-2.tsv``, ``MNLI-m.tsv`` ...).
+its tokenizer from beside it (``data.tokenizer`` may name a copy of that one, no other),
+and the trainer puts the pretrained encoder into the fresh classifier
+(``glue.models.transplant_encoder``). The dev split (MNLI: matched) is evaluated during
+training with accuracy, F1 and macro-F1 and picks the best checkpoint
+(``checkpoint.best_metric``); every validation split is scored at the best checkpoint,
+and the unlabelled test split(s) are predicted there, in full, and written in the GLUE
+submission format (``predictions/SST-2.tsv``, ``MNLI-m.tsv`` ...).
 summary.json carries the Table 4 ``headline`` (F1, MNLI macro-F1, averaged over the
 validation splits) and its accuracy for ``scripts/glue_report.py``.
 """
@@ -35,7 +36,13 @@ from glue.data import EncodedSplit, EpochStream, get_task_spec, load_glue_split,
 from glue.metrics import metrics_from_confusion
 from glue.mlm import build_mlm_task_from_data, load_documents, pack_corpus, prepare_tokenizer
 from glue.models import transplant_encoder
-from glue.tokenizer import TOKENIZER_FILE, load_tokenizer, save_tokenizer, special_ids
+from glue.tokenizer import (
+    TOKENIZER_FILE,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+    tokenizer_fingerprint,
+)
 from sbm_jax.tasks import register_task
 from sbm_jax.training.checkpoints import (
     find_checkpoint,
@@ -235,6 +242,34 @@ def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) 
         )
 
 
+def check_pretraining_tokenizer(tokenizer: Any, path: str, run_tokenizer: str) -> None:
+    """Refuse a ``data.tokenizer`` that differs from the pretraining run's tokenizer.
+
+    The encoder's embeddings are indexed by the ids of the tokenizer it was pretrained
+    with; another tokenizer of no larger size would load silently and feed it ids that
+    mean other tokens. ``run_tokenizer`` is the ``tokenizer.json`` beside
+    ``config.init_from``'s run (the pretraining run saves the one it used there, also
+    when it was given ``data.tokenizer``). Files are compared by
+    :func:`glue.tokenizer.tokenizer_fingerprint`, so a copy passes. A run without that
+    file (a checkpoint copied on its own) cannot be checked: that is said, not refused,
+    since giving ``data.tokenizer`` is then the only way to fine-tune it.
+    """
+    if not os.path.isfile(run_tokenizer):
+        print(
+            f"warning: config.data.tokenizer={path!r} is not checked against the pretraining "
+            f"tokenizer: config.init_from's run has no {run_tokenizer!r}",
+            flush=True,
+        )
+        return
+    pretrained = load_tokenizer(run_tokenizer, flag="the tokenizer.json of config.init_from's run")
+    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(pretrained):
+        raise ConfigError(
+            f"config.data.tokenizer={path!r} is not the tokenizer the encoder was pretrained "
+            f"with ({run_tokenizer!r}, beside config.init_from's run): its ids would mean "
+            "other tokens; leave config.data.tokenizer empty to use the run's"
+        )
+
+
 def write_submission(
     name: str, split: str, index: np.ndarray, predictions: np.ndarray, output_dir: str
 ) -> str:
@@ -260,18 +295,22 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
     check_finetune_config(name, config)
     spec = get_task_spec(name)
     tokenizer_path = str(config.data.tokenizer or "")
+    run_tokenizer = ""  # the pretraining run's tokenizer.json, when fine-tuning from one
     if config.get("init_from"):
         checkpoint = find_checkpoint(str(config.init_from))
         meta = read_checkpoint_meta(checkpoint)
         apply_checkpoint_architecture(config, (meta.get("config") or {}).get("model"))
+        run_tokenizer = os.path.join(run_dir_of_checkpoint(checkpoint), TOKENIZER_FILE)
         if not tokenizer_path:
-            tokenizer_path = os.path.join(run_dir_of_checkpoint(checkpoint), TOKENIZER_FILE)
+            tokenizer_path = run_tokenizer
     field = (
         "config.data.tokenizer"
         if config.data.tokenizer
         else "config.data.tokenizer='' and the tokenizer beside config.init_from's run"
     )
     tokenizer = load_tokenizer(tokenizer_path, flag=field)
+    if config.data.tokenizer and run_tokenizer:
+        check_pretraining_tokenizer(tokenizer, tokenizer_path, run_tokenizer)
     if tokenizer.get_vocab_size() > int(config.model.vocab_size):
         raise ConfigError(
             f"the tokenizer {tokenizer_path!r} has {tokenizer.get_vocab_size()} tokens but "

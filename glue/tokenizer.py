@@ -22,6 +22,8 @@ tokens in its input, so literals there were always counted as ordinary text.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 
@@ -67,6 +69,21 @@ def plain_text_only(tokenizer: Tokenizer) -> Tokenizer:
     module docstring); returns it."""
     tokenizer.encode_special_tokens = True
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A SHA-256 of what decides the ids of a text: the model (vocabulary and merges),
+    the added tokens, the normalizer and the pre-tokenizer.
+
+    Two files with the same fingerprint encode every text to the same ids; the decoder,
+    padding and post-processor settings do not enter (they do not change ``encode``'s
+    ids without special tokens). Computed from the loaded tokenizer, so two copies saved
+    by different ``tokenizers`` versions still compare equal.
+    """
+    saved = json.loads(tokenizer.to_str())
+    keys = ("model", "added_tokens", "normalizer", "pre_tokenizer")
+    canonical = json.dumps({k: saved.get(k) for k in keys}, sort_keys=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def train_tokenizer(

@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Offline: prepare once with `python -m glue.prepare --tasks=...`, then train.
     config.data.tfds_download = not smoke
     config.data.tfds_data_dir = ""  # TFDS data directory ("" = TFDS default)
-    config.data.tokenizer = ""  # tokenizer.json ("" = the one beside init_from's run)
+    config.data.tokenizer = ""  # "" = the tokenizer.json beside init_from's run (or a copy)
     config.data.max_train_examples = 0  # use only the first N training examples (0: all)
     # Use only the first N examples per validation split (0: all); the unlabelled test
     # splits are always predicted in full (predictions/ must cover every example).

@@ -241,6 +241,31 @@ def test_missing_tokenizer_names_the_field(pretrained, tmp_path):
 
 
 @pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
+def test_other_tokenizer_than_pretraining_is_refused(pretrained, tmp_path):
+    """--config.data.tokenizer naming a tokenizer other than the pretraining run's is one
+    error line naming the field and both files, before the run directory is made."""
+    from glue.corpus import read_local_corpus
+    from glue.tokenizer import save_tokenizer, train_tokenizer
+
+    pre, _ = pretrained
+    other = save_tokenizer(
+        train_tokenizer(read_local_corpus(os.path.join(ROOT, "README.md")), 280),
+        str(tmp_path / "other"),
+    )
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        status, _, stderr = run_train(
+            f"--config={FINETUNE}:sbm,smoke,task=sst2",
+            f"--config.init_from={pre}",
+            f"--config.data.tokenizer={other}",
+            f"--output_dir={tmp_path / 'ft'}",
+        )
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: config.data.tokenizer={other!r} ")
+    assert repr(os.path.join(pre, "tokenizer.json")) in stderr
+    assert not (tmp_path / "ft" / "config.json").exists()
+
+
+@pytest.mark.slow  # suite time (15 min): pretraining + fine-tuning runs
 def test_mechanism_mismatch_names_the_field(pretrained, tmp_path):
     pre, _ = pretrained
     status, _, stderr = run_train(

@@ -49,3 +49,72 @@ def test_max_eval_examples_does_not_cut_test_predictions(tokenizer_path, tmp_pat
     for split, batches in task.test_splits.items():  # the validation cap still applies
         assert sum(int(b["example_mask"].sum()) for b in batches()) == 3, split
     assert sorted(os.listdir(tmp_path / "predictions")) == ["MNLI-m.tsv", "MNLI-mm.tsv"]
+
+
+def pretraining_run(run_dir, tokenizer_path: str | None, monkeypatch) -> str:
+    """A stand-in pretraining run at ``run_dir`` (its ``tokenizer.json`` copied from
+    ``tokenizer_path`` unless None): ``config.init_from`` resolves to its best checkpoint,
+    whose metadata holds the smoke SBM encoder config (its vocabulary the tokenizer's
+    size). Only the checkpoint lookup is
+    replaced; what glue.tasks does with the run directory is the real code."""
+    import shutil
+
+    from glue.tokenizer import load_tokenizer
+
+    checkpoint = run_dir / "checkpoints" / "best" / "2"
+    checkpoint.mkdir(parents=True)
+    model = load_config("finetune", "sbm,smoke,task=sst2").model.to_dict()
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, run_dir / "tokenizer.json")
+        model["vocab_size"] = load_tokenizer(tokenizer_path).get_vocab_size()
+    monkeypatch.setattr(tasks, "find_checkpoint", lambda path: str(checkpoint))
+    monkeypatch.setattr(tasks, "read_checkpoint_meta", lambda path: {"config": {"model": model}})
+    return str(run_dir)
+
+
+def finetune_config(init_from: str, tokenizer: str = ""):
+    config = load_config("finetune", "sbm,smoke,task=sst2")
+    config.init_from = init_from
+    config.data.tokenizer = tokenizer
+    return config
+
+
+def test_finetuning_refuses_a_tokenizer_other_than_the_pretraining_one(
+    tokenizer_path, tmp_path, monkeypatch, capsys
+):
+    """The encoder's embeddings are indexed by the pretraining tokenizer's ids: another
+    tokenizer (even a smaller one, which the vocabulary-size check lets through) must be
+    refused in one line naming the field and both files; the same tokenizer under another
+    path, re-saved, is fine."""
+    from glue.tokenizer import load_tokenizer
+    from sbm_jax.training.config_checks import ConfigError
+
+    run = pretraining_run(tmp_path / "pre", tokenizer_path, monkeypatch)
+    other = train_tokenizer(read_local_corpus(os.path.join(os.path.dirname(__file__), "*.py")), 280)
+    other_path = save_tokenizer(other, str(tmp_path / "other"))
+    assert other.get_vocab_size() <= load_tokenizer(tokenizer_path).get_vocab_size()
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        with pytest.raises(ConfigError) as err:
+            build_task(finetune_config(run, other_path))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"config.data.tokenizer={other_path!r} ")
+    assert repr(os.path.join(run, "tokenizer.json")) in message
+
+    copy_path = save_tokenizer(load_tokenizer(tokenizer_path), str(tmp_path / "copy"))
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        assert build_task(finetune_config(run, copy_path)).name == "glue_sst2"
+        assert build_task(finetune_config(run)).name == "glue_sst2"  # the run's own
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_finetuning_says_when_the_tokenizer_cannot_be_checked(
+    tokenizer_path, tmp_path, monkeypatch, capsys
+):
+    """A checkpoint copied without its run's tokenizer.json: data.tokenizer is the only
+    way to fine-tune it, so it is used, with a warning that nothing checked it."""
+    run = pretraining_run(tmp_path / "pre", None, monkeypatch)
+    config = finetune_config(run, tokenizer_path)
+    with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        assert build_task(config).name == "glue_sst2"
+    out = capsys.readouterr().out
+    assert "warning: config.data.tokenizer=" in out and "is not checked" in out
