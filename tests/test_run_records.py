@@ -21,6 +21,8 @@ import pytest
 
 from sbm_jax.training import cli
 from sbm_jax.training.checkpoints import read_checkpoint_meta
+from sbm_jax.training.config_checks import ConfigError
+from sbm_jax.training.run_dir import RunLock
 from tests import compile_cache
 from tests.process_testing import xla_flags
 from tests.test_metrics_tensorboard import read_scalars
@@ -268,6 +270,45 @@ def test_a_run_folder_part_in_the_way_is_one_line_naming_the_flag_given(tmp_path
         *TINY, "--config.train.num_steps=2", f"--config.output_dir={folder}"
     )
     assert status == 2 and f"error: config.output_dir={str(folder)!r}: checkpoints" in err, err
+
+
+def test_a_second_trainer_into_a_folder_in_use_is_refused(tmp_path, shared_compilation_cache):
+    """The same command started twice (two terminals, a retry loop) used to run two
+    trainers into one folder, interleaving their checkpoints and records."""
+    out = tmp_path / "run"
+    first = _launch(out, shared_compilation_cache)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(records(out)) >= 2:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second started"
+        status, _, err = run_train(
+            *TINY,
+            "--config.train.num_steps=300",
+            "--config.checkpoint.every_steps=1000",
+            f"--output_dir={out}",
+        )
+        assert status == 2 and "Traceback" not in err, err
+        assert f"error: --output_dir={str(out)!r} is in use by a run that is still training" in err
+        assert f"(pid {first.pid} on " in err, err
+        assert first.poll() is None  # the first run goes on
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0
+    RunLock(str(out)).release()  # the lock went with the first run
+
+
+def test_run_lock_is_exclusive_and_released(tmp_path):
+    held = RunLock(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"pid {os.getpid()} on "):
+        RunLock(str(tmp_path))
+    held.release()
+    RunLock(str(tmp_path)).release()
 
 
 def _launch(output_dir, cache: str, *extra: str) -> subprocess.Popen:

@@ -19,6 +19,7 @@ import glob
 import json
 import math
 import os
+import socket
 import struct
 import tempfile
 import time
@@ -210,7 +211,7 @@ def check_resume(output_dir: str, config: Any) -> bool:
 #: What a run writes inside its folder: directories, then files. Each one that exists
 #: already (a run being resumed, or a folder reused) must be of its kind and writable.
 RUN_DIRECTORIES = ("checkpoints", "checkpoints/latest", "checkpoints/best", "tensorboard")
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "metrics.csv", "metrics.png", "summary.json")
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "metrics.csv", "metrics.png", "summary.json", ".lock")
 
 
 def prepare_output_dir(path: str) -> str:
@@ -242,6 +243,53 @@ def prepare_output_dir(path: str) -> str:
         if os.path.exists(part) and not os.access(part, os.W_OK):
             raise ConfigError(f"output_dir={path!r}: {name} is not writable")
     return path
+
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<output_dir>/.lock``, held while a trainer writes the
+    run: a second trainer started into the same folder (a command run twice) is refused
+    instead of interleaving checkpoints and records with the first.
+
+    The kernel drops the lock when its holder dies however it dies, so a crash or a
+    preemption never leaves a stale lock behind. Where the file system has no ``flock``
+    (some network mounts, Windows) the run goes on unlocked.
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self._file: Any = None
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return
+        handle = open(self.path, "a+", encoding="utf-8")  # held until release()
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = " ".join(handle.read().split()) or "another process"
+            handle.close()
+            raise ConfigError(
+                f"output_dir={output_dir!r} is in use by a run that is still training "
+                f"({holder}); wait for it, stop it, or choose another --output_dir"
+            ) from None
+        except OSError:  # no flock on this file system: unlocked
+            handle.close()
+            return
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        """Drop the lock (the file stays; an unlocked file means nothing)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _can_write_in(directory: str) -> bool:

@@ -81,6 +81,7 @@ from sbm_jax.training.plots import plot_metrics
 from sbm_jax.training.preemption import StopSignals, any_process
 from sbm_jax.training.run_dir import (
     CONFIG_FILE,
+    RunLock,
     check_resume,
     config_as_json,
     prepare_output_dir,
@@ -247,8 +248,31 @@ def train_and_evaluate(
 
     Raises:
       NonFiniteError: a non-finite loss or gradient (``train.halt_on_nonfinite``).
-      ConfigError: a bad config field, or a run in ``output_dir`` with another config.
+      ConfigError: a bad config field, a run in ``output_dir`` with another config, or
+        one still training there (``run_dir.RunLock``).
     """
+    locks: list[RunLock] = []
+    try:
+        return _train_and_evaluate(
+            config, task, output_dir, progress_stream, stop_after, run_config, log_stream, locks
+        )
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train_and_evaluate(
+    config: Any,
+    task: Task,
+    output_dir: str | None,
+    progress_stream: TextIO | None,
+    stop_after: int | None,
+    run_config: Any,
+    log_stream: TextIO | None,
+    locks: list[RunLock],
+) -> dict[str, Any]:
+    # train_and_evaluate's body; the run folder's lock goes into ``locks``, which the
+    # caller releases however this returns.
     mesh = mesh_from_config(config)
     validate_config(config, head=task.head, device_count=data_axis_size(mesh))
     run_config = config if run_config is None else run_config
@@ -285,6 +309,8 @@ def train_and_evaluate(
     existing = check_resume(output_dir, run_config)  # raises before anything is written
     init_checkpoint = find_checkpoint(str(config.init_from)) if config.get("init_from") else None
     output_dir = prepare_output_dir(output_dir)
+    if primary:  # before anything in the folder is read or changed
+        locks.append(RunLock(output_dir))
 
     rows = process_train_rows(batch_size, accum, mesh)
     source = train_source(task, rows)
