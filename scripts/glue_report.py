@@ -51,7 +51,12 @@ PAPER = {
 
 def summary_paths(args: Iterable[str]) -> list[str]:
     """Expand globs and directories (``<dir>/summary.json``) into summary files."""
-    paths: list[str] = []
+    return [path for path, _ in _summary_paths(args)]
+
+
+def _summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
+    # (path, whether a glob found it rather than the user naming it)
+    paths: list[tuple[str, bool]] = []
     for arg in args:
         for match in sorted(glob.glob(arg)) or [arg]:
             if os.path.isdir(match):
@@ -59,20 +64,26 @@ def summary_paths(args: Iterable[str]) -> list[str]:
             if not os.path.isfile(match):
                 what = "matched no file" if glob.has_magic(arg) else "does not exist"
                 raise FileNotFoundError(f"summary {match!r} {what}")
-            paths.append(match)
+            paths.append((match, glob.has_magic(arg)))
     return paths
 
 
-def load_summaries(paths: Sequence[str]) -> list[dict]:
+def load_summaries(paths: Sequence[str], globbed: Sequence[bool] = ()) -> list[dict]:
     """The summaries at ``paths``; a file that is not a GLUE fine-tuning run's summary
-    (a pretraining run's, say) is a ValueError naming it."""
+    (a pretraining run's, say) is a ValueError naming it, except that a pretraining
+    run's summary a glob found (``paths[i]`` with ``globbed[i]``) is left out with a note
+    on stderr: ``runs/glue_*`` also matches the pretraining runs' default folders
+    (``runs/glue_pretrain_<mechanism>-<time>``)."""
     summaries = []
-    for path in paths:
+    for i, path in enumerate(paths):
         with open(path, encoding="utf-8") as f:
             try:
                 summary = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} is not JSON ({e})") from None
+        if i < len(globbed) and globbed[i] and summary.get("task") == PRETRAINING_TASK:
+            print(f"note: {path} is a pretraining run's summary: left out", file=sys.stderr)
+            continue
         try:
             for key in ("headline", "headline_accuracy"):
                 collect([summary], key)
@@ -80,6 +91,10 @@ def load_summaries(paths: Sequence[str]) -> list[dict]:
             raise ValueError(f"{path}: {e} (not a GLUE fine-tuning run's summary.json?)") from None
         summaries.append(summary)
     return summaries
+
+
+#: The task name in a pretraining run's summary (configs/glue/pretrain.py).
+PRETRAINING_TASK = "glue_mlm"
 
 
 def _task_of(summary: dict) -> str:
@@ -133,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", default="", help="also write the table to this file")
     args = parser.parse_args(argv)
     try:
-        summaries = load_summaries(summary_paths(args.summaries))
+        found = _summary_paths(args.summaries)
+        summaries = load_summaries([p for p, _ in found], [g for _, g in found])
+        if not summaries:
+            raise ValueError(f"{' '.join(args.summaries)}: no fine-tuning run's summary")
     except (OSError, ValueError) as e:
         # A glob that matched nothing, a file that is not a fine-tuning summary: one line.
         parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -46,3 +46,31 @@ def test_report_renders_fine_tuning_summaries(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| Full-attention | 90.0 | – | 80.0 | – |" in table.splitlines()
     assert "| Full-attention | 91.0 | – | 81.0 | – |" in table.splitlines()
+
+
+def test_a_glob_leaves_out_pretraining_summaries(tmp_path, capsys):
+    """``runs/glue_*`` also matches the pretraining runs' default folders
+    (``runs/glue_pretrain_<mechanism>-<time>``): those are left out with a note, where
+    naming one explicitly is still an error."""
+    from scripts.glue_report import main
+
+    pretrain = tmp_path / "glue_pretrain_sbm-20261130-0600"
+    pretrain.mkdir()
+    (pretrain / "summary.json").write_text(
+        json.dumps({"name": "glue_pretrain_sbm", "task": "glue_mlm"})
+    )
+    tuned = tmp_path / "glue_sst2_sbm"
+    tuned.mkdir()
+    summary = {"mechanism": "sbm", "task": "glue_sst2", "headline": 0.9, "headline_accuracy": 0.9}
+    (tuned / "summary.json").write_text(json.dumps(summary))
+    assert main([str(tmp_path / "glue_*" / "summary.json")]) == 0
+    captured = capsys.readouterr()
+    assert "| SBM-Transformer (+ window 64) | 90.0 | – | – | – |" in captured.out.splitlines()
+    assert (
+        f"note: {pretrain / 'summary.json'} is a pretraining run's summary: left out"
+        in captured.err
+    )
+    with pytest.raises(SystemExit) as exit_info:  # nothing left to report: an error
+        main([str(tmp_path / "glue_pre*" / "summary.json")])
+    assert exit_info.value.code == 2
+    assert "glue_pre*/summary.json: no fine-tuning run's summary" in capsys.readouterr().err
