@@ -208,13 +208,19 @@ def check_finetune_config(name: str, config: Any) -> None:
     if not isinstance(eval_batch, int) or eval_batch < 1:
         errors.append(f"train.eval_batch_size={eval_batch!r} must be a positive integer")
     _raise(errors)
+    if config.get("init_from"):
+        # The checkpoint's mechanism, read from its metadata alone (no data, no state), so
+        # that --dry_run catches the wrong preset before a job starts, not after.
+        try:
+            meta = read_checkpoint_meta(find_checkpoint(str(config.init_from)))
+        except Exception:  # noqa: BLE001 (building the task reads it again and says why)
+            return
+        check_checkpoint_mechanism(config, (meta.get("config") or {}).get("model"))
 
 
-def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) -> None:
-    """Copy the encoder fields of the checkpoint's model config into ``config.model``.
-
-    A different ``model.attention`` is an error (the preset names the wrong mechanism).
-    """
+def check_checkpoint_mechanism(config: Any, saved: Mapping[str, Any] | None) -> None:
+    """A ``config.model.attention`` other than the pretraining checkpoint's is an error
+    naming both (the fine-tuning preset names the wrong mechanism)."""
     if not isinstance(saved, Mapping):
         raise ConfigError(
             "config.init_from: the checkpoint's metadata holds no model config (not a "
@@ -225,6 +231,14 @@ def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) 
             f"config.model.attention={config.model.attention!r} but the checkpoint was "
             f"pretrained with {saved.get('attention')!r}; pick the matching mechanism preset"
         )
+
+
+def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) -> None:
+    """Copy the encoder fields of the checkpoint's model config into ``config.model``.
+
+    A different ``model.attention`` is an error (the preset names the wrong mechanism).
+    """
+    check_checkpoint_mechanism(config, saved)
     with config.unlocked():
         for name in ARCHITECTURE_FIELDS:
             if name not in saved and name not in ARCHITECTURE_DEFAULTS:

@@ -17,6 +17,7 @@ from sbm_jax.tasks import build_task
 from tests.glue.conftest import load_config
 
 MOCK_EXAMPLES = 7
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,37 @@ def test_finetuning_says_when_the_tokenizer_cannot_be_checked(
         assert build_task(config).name == "glue_sst2"
     out = capsys.readouterr().out
     assert "warning: config.data.tokenizer=" in out and "is not checked" in out
+
+
+def test_dry_run_catches_a_preset_of_another_mechanism(tokenizer_path, tmp_path, monkeypatch):
+    """--dry_run is how a cloud user checks a config before a VM starts; the fine-tuning
+    preset's mechanism against the pretraining checkpoint's was only checked when the
+    task was built, after the dry run had said "config OK"."""
+    import io
+
+    from sbm_jax.training import cli
+    from scripts import train as train_script
+
+    run = pretraining_run(tmp_path / "pre", tokenizer_path, monkeypatch)  # an SBM encoder
+
+    def dry_run(preset: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        status = cli.main(
+            [
+                "train.py",
+                f"--config={os.path.join(ROOT, 'configs', 'glue', 'finetune.py')}:{preset}",
+                f"--config.init_from={run}",
+                f"--output_dir={tmp_path / 'tuned'}",
+                "--dry_run",
+            ],
+            task_modules=train_script.TASK_MODULES,
+            stdout=out,
+            stderr=err,
+        )
+        return status, out.getvalue(), err.getvalue()
+
+    status, out, err = dry_run("full,smoke,task=sst2")
+    assert status == 2 and "Traceback" not in err, err
+    assert "config.model.attention='full' but the checkpoint was pretrained with 'sbm'" in err
+    status, out, err = dry_run("sbm,smoke,task=sst2")
+    assert status == 0 and "config OK" in out, err
