@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     model.head_dim = 8  # per-head key/value width; num_heads * head_dim == emb_dim
     model.classifier_dim = 20  # units of the relu dense layer (TSA paper: 20)
     model.dropout = 0.1  # both dropout layers (TSA paper: 0.1)
-    model.attention_dropout = 0.0  # TSA has no attention weights to drop
+    model.attention_dropout = 0.0  # dropout on Psi's entries (docs/tsa.md item 10): off
     # TSA's options, the TSA paper's values (configs/presets.py: OPTIONS["tsa"]).
     model.attention_options = presets.attention_options(
         "tsa", preset.scale, model.max_len, fields=("damping", "projection", "tt_rank")
