@@ -341,6 +341,47 @@ def check_config(config: Any) -> list[str]:
     return errors
 
 
+def parse_config(
+    argv: Sequence[str],
+    fv: Any | None = None,
+    define_extra: Callable[[Any], None] | None = None,
+) -> ml_collections.ConfigDict:
+    """The config ``argv`` (the trainer's command line, program name first) asks for:
+    the ``--config`` file and preset with its ``--config.<field>`` overrides, parsed into
+    ``fv`` (fresh flag values by default). Task modules must be imported first for
+    their fields' checks. Every user error raises ``ConfigError`` with the one line
+    ``main`` prints."""
+    fv = flags.FlagValues() if fv is None else fv
+    spec = _config_spec(argv)
+    if not spec:
+        raise ConfigError(
+            "--config is required, e.g. --config=configs/synthetic.py:quick (see --help)"
+        )
+    try:
+        config = load_config_file(spec)
+    except ConfigError:
+        raise
+    except Exception as e:  # the config file itself raised
+        raise ConfigError(f"--config={spec}: {type(e).__name__}: {_last_line(str(e))}") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict"
+        )
+    _add_attention_options(config, argv)
+    parse_argv = _without_config_spec(argv)
+    try:
+        # Defining the config flag already applies the --config.<field> overrides.
+        _define_flags(fv, config, parse_argv)
+        if define_extra is not None:
+            define_extra(fv)
+        rest = fv(parse_argv)
+    except Exception as e:
+        raise ConfigError(describe_flag_error(e, parse_argv, config, fv)) from None
+    if len(rest) > 1:
+        raise ConfigError(f"unexpected arguments {rest[1:]} (see --help)")
+    return fv["config"].value
+
+
 def main(
     argv: Sequence[str],
     task_modules: Sequence[str] = (),
@@ -378,33 +419,11 @@ def main(
             define_extra(fv)
         _print_help(prog, fv, out)
         return 0
-    spec = _config_spec(argv)
-    if not spec:
-        return fail("--config is required, e.g. --config=configs/synthetic.py:quick (see --help)")
     skipped = import_task_modules(task_modules)
     try:
-        config = load_config_file(spec)
+        config = parse_config(argv, fv, define_extra)
     except ConfigError as e:
         return fail(str(e))
-    except Exception as e:  # the config file itself raised
-        return fail(f"--config={spec}: {type(e).__name__}: {_last_line(str(e))}")
-    if not isinstance(config, ml_collections.ConfigDict):
-        return fail(
-            f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict"
-        )
-    _add_attention_options(config, argv)
-    parse_argv = _without_config_spec(argv)
-    try:
-        # Defining the config flag already applies the --config.<field> overrides.
-        _define_flags(fv, config, parse_argv)
-        if define_extra is not None:
-            define_extra(fv)
-        rest = fv(parse_argv)
-    except Exception as e:
-        return fail(describe_flag_error(e, parse_argv, config, fv))
-    if len(rest) > 1:
-        return fail(f"unexpected arguments {rest[1:]} (see --help)")
-    config = fv["config"].value
     if adjust is not None:
         try:
             adjust(config, fv)
