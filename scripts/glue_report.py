@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -56,7 +57,8 @@ def summary_paths(args: Iterable[str]) -> list[str]:
 
 def _summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
     # (path, whether a glob found it rather than the user naming it)
-    paths: list[tuple[str, bool]] = []
+    # A file named twice (a run dir and its summary.json, overlapping globs) counts once.
+    paths: dict[str, tuple[str, bool]] = {}
     for arg in args:
         for match in sorted(glob.glob(arg)) or [arg]:
             if os.path.isdir(match):
@@ -64,8 +66,10 @@ def _summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
             if not os.path.isfile(match):
                 what = "matched no file" if glob.has_magic(arg) else "does not exist"
                 raise FileNotFoundError(f"summary {match!r} {what}")
-            paths.append((match, glob.has_magic(arg)))
-    return paths
+            key = os.path.realpath(match)
+            globbed = paths[key][1] if key in paths else True  # named once: named
+            paths[key] = (paths.get(key, (match,))[0], globbed and glob.has_magic(arg))
+    return list(paths.values())
 
 
 def load_summaries(paths: Sequence[str], globbed: Sequence[bool] = ()) -> list[dict]:
@@ -89,6 +93,11 @@ def load_summaries(paths: Sequence[str], globbed: Sequence[bool] = ()) -> list[d
                 collect([summary], key)
         except ValueError as e:
             raise ValueError(f"{path}: {e} (not a GLUE fine-tuning run's summary.json?)") from None
+        for key in ("headline", "headline_accuracy"):
+            if not math.isfinite(float(summary[key])):
+                print(
+                    f"note: {path}: {key} is {summary[key]} (did the run diverge?)", file=sys.stderr
+                )
         summaries.append(summary)
     return summaries
 
@@ -147,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paper", action="store_true", help="append the paper's Table 4 rows")
     parser.add_argument("--output", default="", help="also write the table to this file")
     args = parser.parse_args(argv)
+    if args.output and (
+        os.path.isdir(args.output) or not os.path.isdir(os.path.dirname(args.output) or ".")
+    ):
+        parser.exit(2, f"{parser.prog}: error: --output={args.output!r}: not a file in a folder\n")
     try:
         found = _summary_paths(args.summaries)
         summaries = load_summaries([p for p, _ in found], [g for _, g in found])

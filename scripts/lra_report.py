@@ -44,6 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from sbm_jax.training.run_dir import SAFE_TO_CHANGE, config_differences  # noqa: E402
+from scripts.script_errors import exit_with_error, parse_flags_or_exit  # noqa: E402
+
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder")
 
 _ROOT = flags.DEFINE_string("root", "runs/lra", "Directory searched for summary.json files.")
@@ -51,16 +54,81 @@ _OUT = flags.DEFINE_string("out", "reports/lra", "Output directory.")
 _MAPS = flags.DEFINE_integer("num_maps", 3, "Inputs per density-map figure (0: none).")
 
 
-def load_summaries(root: str) -> list[dict[str, Any]]:
-    """All LRA run summaries under ``root`` (runs stopped early have none)."""
+class ReportError(ValueError):
+    """The runs under --root cannot make one report: one line, exit status 2."""
+
+
+#: Config fields in which runs averaged together (one mechanism, task and lambda) may
+#: differ: the seed, and what a resumed run may change without changing its result
+#: (logging, checkpoints, data location, device layout); not how long it trained.
+GROUP_FREE = ("seed",) + tuple(
+    f for f in SAFE_TO_CHANGE if f not in ("train.num_steps", "train.num_epochs")
+)
+
+
+def load_summaries(root: str, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """All LRA run summaries under ``root``, each with ``run_dir`` (the folder it was
+    found in: the run's own ``output_dir`` may name where it was before a move).
+
+    A summary that cannot be read (a write cut short) is left out, and so are runs
+    without one (unfinished); both are said in ``notes``.
+    """
+    notes = [] if notes is None else notes
     out = []
     for path in sorted(glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)):
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                summary = json.load(f)
+        except (OSError, ValueError) as e:
+            notes.append(f"{path} is unreadable ({type(e).__name__}): left out")
+            continue
+        if not isinstance(summary, dict):
+            notes.append(f"{path} is not a run summary: left out")
+            continue
         if str(summary.get("task", "")).startswith("lra_"):
             summary["task_short"] = summary["task"][len("lra_") :]
+            summary["run_dir"] = os.path.dirname(os.path.abspath(path))
             out.append(summary)
+    finished = {
+        os.path.dirname(os.path.abspath(p))
+        for p in glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
+    }
+    for config in sorted(glob.glob(os.path.join(root, "**", "config.json"), recursive=True)):
+        run = os.path.dirname(os.path.abspath(config))
+        if run not in finished:
+            notes.append(f"{run} has no summary.json (unfinished): left out")
     return out
+
+
+def check_groups(summaries: list[dict[str, Any]]) -> None:
+    """Runs averaged together (one mechanism, task and lambda) must be seeds of one
+    config: two runs of a seed, or runs of different presets or lengths, would be
+    averaged silently into one cell. Raises ``ReportError`` naming both runs."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for s in summaries:
+        key = (s.get("attention"), s["task_short"], float(s.get("density_lambda") or 0.0))
+        groups[key].append(s)
+    for (mech, task, lam), runs in groups.items():
+        seen: dict[Any, str] = {}
+        for run in runs:
+            seed = run.get("seed")
+            if seed in seen:
+                raise ReportError(
+                    f"{seen[seed]} and {run['run_dir']} are both {task} {mech} lambda {lam:g} "
+                    f"seed {seed}: move one out of --root"
+                )
+            seen[seed] = run["run_dir"]
+        first = runs[0]
+        for run in runs[1:]:
+            diffs = config_differences(
+                first.get("config") or {}, run.get("config") or {}, safe=GROUP_FREE
+            )
+            if diffs:
+                shown = "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else "")
+                raise ReportError(
+                    f"{first['run_dir']} and {run['run_dir']} ({task} {mech} lambda {lam:g}) "
+                    f"are not seeds of one config ({shown}): report them from separate roots"
+                )
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -434,11 +502,12 @@ def load_test_examples(
     batch = next(iter(task.test_splits["test"]()))
     batch = {k: v[:num_inputs] for k, v in batch.items()}
     state = create_train_state(cfg, model, task, batch)
-    ckpts = RunCheckpoints(os.path.join(summary["output_dir"], "checkpoints"))
+    run = summary.get("run_dir") or summary["output_dir"]  # where it is now
+    ckpts = RunCheckpoints(os.path.join(run, "checkpoints"))
     restored = ckpts.restore_best(state) or ckpts.restore_latest(state)
     ckpts.close()
     if restored is None:
-        raise FileNotFoundError(f"no checkpoint under {summary['output_dir']}")
+        raise ReportError(f"no checkpoint under {run} for its density maps (--num_maps=0: none)")
     return model, restored[0].params, batch, task.model_inputs(batch)
 
 
@@ -506,11 +575,22 @@ def density_map_figure(summary: dict[str, Any], path: str, num_inputs: int) -> d
 
 def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
     """Write every table and figure for the summaries under ``root`` into ``out``."""
-    summaries = load_summaries(root)
+    if not os.path.isdir(root):
+        raise ReportError(f"--root={root!r} is not a directory")
+    notes: list[str] = []
+    summaries = load_summaries(root, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if not summaries:
-        raise FileNotFoundError(f"no LRA summary.json under {root!r}")
-    os.makedirs(out, exist_ok=True)
-    report: dict[str, Any] = {"runs": len(summaries), "files": []}
+        raise ReportError(f"no finished LRA run (summary.json) under --root={root!r}")
+    check_groups(summaries)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ReportError(f"--out={out!r} is a file, not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"--out={out!r} cannot be created: {e.strerror or e}") from None
+    report: dict[str, Any] = {"runs": len(summaries), "files": [], "left_out": notes}
     for name, fn in (
         ("table1_accuracy", table1),
         ("table2_lambda", table2),
@@ -533,10 +613,16 @@ def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
             ("pathfinder", "fig8_pathfinder_density"),
         ):
             runs = [s for s in summaries if s["attention"] == "sbm" and s["task_short"] == task]
+            # The run of fig. 5 and Table 1 (lambda 0, lowest seed) where there is one.
+            runs.sort(key=lambda s: (bool(s.get("density_lambda")), s.get("seed", 0)))
             if runs:
                 drawn = density_map_figure(runs[0], os.path.join(out, fig + ".png"), num_maps)
                 report["files"].append(drawn["path"])
-                report[fig] = {"head_density": drawn["density"].tolist()}
+                report[fig] = {
+                    "head_density": drawn["density"].tolist(),
+                    "run": runs[0]["run_dir"],
+                    "density_lambda": float(runs[0].get("density_lambda") or 0.0),
+                }
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=float)
     return report
@@ -544,8 +630,11 @@ def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    report = make_report(_ROOT.value, _OUT.value, _MAPS.value)
+        exit_with_error(f"unexpected arguments: {argv[1:]}")
+    try:
+        report = make_report(_ROOT.value, _OUT.value, _MAPS.value)
+    except ReportError as e:
+        exit_with_error(str(e))
     for path in report["files"]:
         print(path)
         if path.endswith(".md"):
@@ -554,4 +643,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

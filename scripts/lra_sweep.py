@@ -38,11 +38,14 @@ import subprocess
 import sys
 from typing import Any
 
-from absl import app, flags
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from scripts.script_errors import exit_with_error, parse_flags_or_exit  # noqa: E402
+
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
-USAGE_EXIT = 2
 
 _TASKS = flags.DEFINE_list("tasks", list(TASKS), "LRA tasks.")
 _MECHANISMS = flags.DEFINE_list("mechanisms", ["sbm", "full"], "Attention mechanisms.")
@@ -158,24 +161,11 @@ def _last_error(log_path: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _error(str(e))
-        raise  # not reached
-
-
-def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_EXIT)
-
-
 def main(argv: list[str]) -> None:
     try:
         _main(argv)
     except UsageError as e:
-        _error(str(e))
+        exit_with_error(str(e))
 
 
 def _main(argv: list[str]) -> None:
@@ -249,4 +239,4 @@ def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags_or_exit)

@@ -74,3 +74,28 @@ def test_a_glob_leaves_out_pretraining_summaries(tmp_path, capsys):
         main([str(tmp_path / "glue_pre*" / "summary.json")])
     assert exit_info.value.code == 2
     assert "glue_pre*/summary.json: no fine-tuning run's summary" in capsys.readouterr().err
+
+
+def test_a_summary_named_twice_counts_once_and_output_errors_are_one_line(tmp_path, capsys):
+    """A run dir, its summary.json and a glob over both used to count one run three
+    times (a mean over 4 "runs" of 2); --output into a missing folder was a traceback
+    after the table had been printed."""
+    from scripts.glue_report import main
+
+    for name, f1 in (("a", 0.8), ("b", 0.9)):
+        run = tmp_path / name
+        run.mkdir()
+        summary = {
+            "mechanism": "full",
+            "task": "glue_sst2",
+            "headline": f1,
+            "headline_accuracy": f1,
+        }
+        (run / "summary.json").write_text(json.dumps(summary))
+    a = tmp_path / "a"
+    assert main([str(a), str(a / "summary.json"), str(tmp_path / "*")]) == 0
+    assert "| Full-attention | 85.0 ± 7.1 (2) | – | – | – |" in capsys.readouterr().out
+    err = _report_error(capsys, str(a), f"--output={tmp_path / 'nodir' / 't.md'}")
+    assert "--output=" in err and "not a file in a folder" in err
+    err = _report_error(capsys, str(a), f"--output={tmp_path}")
+    assert "not a file in a folder" in err
