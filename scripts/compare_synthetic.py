@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +44,7 @@ import sbm_jax.tasks as tasks  # noqa: E402  (registers the "synthetic" task)
 from configs import synthetic  # noqa: E402
 from sbm_jax.analysis import LRA_SEQ_LENS, flops_table  # noqa: E402
 from sbm_jax.attention import available  # noqa: E402
-from sbm_jax.training import run_training  # noqa: E402
+from sbm_jax.training import ConfigError, run_training  # noqa: E402
 
 
 def make_config(
@@ -184,15 +184,52 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [n for n in names if n not in available()]
     if unknown:
         parser.error(f"--mechanisms: {unknown} are not registered; choose from {available()}")
-    args.mechanism_list = names
-    args.flops_seq_len_list = [int(n) for n in args.flops_seq_lens.split(",") if n]
+    args.mechanism_list = list(dict.fromkeys(names))
+    try:
+        args.flops_seq_len_list = [int(n) for n in args.flops_seq_lens.split(",") if n]
+    except ValueError:
+        parser.error(f"--flops_seq_lens={args.flops_seq_lens!r}: comma-separated integers")
+    if not args.flops_seq_len_list or min(args.flops_seq_len_list) < 1:
+        parser.error(f"--flops_seq_lens={args.flops_seq_lens!r}: lengths must be >= 1")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        parser.error(f"--output_dir={args.output_dir!r} is a file")
+    previous = _previous_results(args.output_dir)
+    if previous is not None:
+        settings = {k: previous["args"].get(k) for k in SETTINGS}
+        mine = {k: getattr(args, k) for k in SETTINGS}
+        if settings != mine:
+            differ = ", ".join(
+                f"--{k} {settings[k]} -> {mine[k]}" for k in SETTINGS if settings[k] != mine[k]
+            )
+            parser.error(
+                f"--output_dir={args.output_dir!r} holds a comparison with other settings "
+                f"({differ}): choose another --output_dir"
+            )
     return args
+
+
+#: What makes two comparisons comparable: their runs share one results table.
+SETTINGS = ("steps", "seq_len", "batch_size", "seed", "no_scale_budgets")
+
+
+def _previous_results(output_dir: str) -> dict[str, Any] | None:
+    """``results.json`` of an earlier comparison in ``output_dir``, if readable."""
+    try:
+        with open(os.path.join(output_dir, "results.json"), encoding="utf-8") as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return results if isinstance(results, dict) and "runs" in results else None
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train every requested mechanism, write the table, JSON and plot; return the results."""
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
+    # An earlier comparison here (same settings: parse_args checked) keeps its other
+    # mechanisms' rows; the ones asked for now are trained (or resumed) again.
+    previous = _previous_results(args.output_dir) or {"runs": []}
+    kept = [r for r in previous["runs"] if r.get("mechanism") not in args.mechanism_list]
     runs = []
     for name in args.mechanism_list:
         config = make_config(
@@ -204,14 +241,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             scale_budgets=not args.no_scale_budgets,
         )
         print(f"== {name}: {config.model.attention_options.to_dict()}", flush=True)
-        start = time.perf_counter()
-        summary = run_training(
-            config,
-            tasks.build_task(config),
-            output_dir=os.path.join(args.output_dir, name),
-            progress_stream=sys.stderr,
-        )
-        summary["wall_time_s"] = time.perf_counter() - start
+        try:
+            summary = run_training(
+                config,
+                tasks.build_task(config),
+                output_dir=os.path.join(args.output_dir, name),
+                progress_stream=sys.stderr,
+            )
+        except ConfigError as e:  # e.g. a run of other settings in <output_dir>/<name>
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if "stopped_at" in summary:  # SIGTERM / Ctrl-C: the run saved its checkpoint
+            print(
+                f"stopped at step {summary['stopped_at']} of {name} ({summary['reason']}); "
+                "the same command resumes it",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + int(getattr(signal, str(summary["reason"]), -127)))
+        # wall_time_s: the trainer's, over every session of the run (a resumed run's
+        # own session would show only the resume).
         summary["mechanism"] = name
         summary["options"] = config.model.attention_options.to_dict()
         summary["shown"] = sorted(
@@ -225,13 +274,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"({summary['wall_time_s']:.0f} s)",
             flush=True,
         )
-    flops_rows = flops_table(args.mechanism_list, args.flops_seq_len_list)
-    if "sbm" in args.mechanism_list:
+    order = {name: i for i, name in enumerate(available())}
+    runs = sorted(kept + runs, key=lambda r: order.get(r["mechanism"], len(order)))
+    names = [r["mechanism"] for r in runs]
+    flops_rows = flops_table(names, args.flops_seq_len_list)
+    if "sbm" in names:
         flops_rows += flops_table(["sbm"], args.flops_seq_len_list, densities={"sbm": 0.1})
     markdown = results_markdown(runs, flops_rows, args)
     with open(os.path.join(args.output_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown)
-    results = {"args": {k: v for k, v in vars(args).items()}, "runs": runs, "flops": flops_rows}
+    saved_args = {**vars(args), "mechanism_list": names}  # every row's mechanism
+    results = {"args": saved_args, "runs": runs, "flops": flops_rows}
     with open(os.path.join(args.output_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=str)
     results["plot"] = plot_results(runs, os.path.join(args.output_dir, "comparison.png"))

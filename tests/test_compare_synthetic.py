@@ -37,6 +37,60 @@ def test_compare_synthetic_main_writes_table_json_and_plot(tmp_path):
     assert {r["seq_len"] for r in saved["flops"]} == {16, 32}
 
 
+@pytest.mark.slow  # suite time: two tiny comparisons into one folder
+def test_a_rerun_with_fewer_mechanisms_keeps_the_others_rows(tmp_path):
+    """A rerun with a subset of --mechanisms used to replace results.md / results.json
+    with that subset alone, and a resumed run's time column showed only the resume."""
+    script = load_script("compare_synthetic")
+    out = tmp_path / "cmp"
+    common = ["--steps=3", "--seq_len=8", "--batch_size=4", "--flops_seq_lens=16"]
+    first = script.main([*common, "--mechanisms=full,linear", f"--output_dir={out}"])
+    times = {r["mechanism"]: r["wall_time_s"] for r in first["runs"]}
+    again = script.main([*common, "--mechanisms=linear", f"--output_dir={out}"])
+    assert [r["mechanism"] for r in again["runs"]] == ["full", "linear"]
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["mechanism"] for r in saved["runs"]] == ["full", "linear"]
+    assert "| full |" in (out / "results.md").read_text()
+    linear = next(r for r in again["runs"] if r["mechanism"] == "linear")
+    # The time column counts both sessions: at least the training time the checkpoint
+    # that was resumed had recorded (the first session's test evaluation came after it).
+    from sbm_jax.training.checkpoints import read_checkpoint_meta
+
+    trained = read_checkpoint_meta(str(out / "linear" / "checkpoints" / "latest" / "3"))
+    assert linear["resumed_from"] == 3
+    assert linear["wall_time_s"] > trained["wall_time_s"] > 0 and times["linear"] > 0
+    with pytest.raises(SystemExit) as exit_info:  # other settings: another folder
+        script.main(["--steps=3", "--seq_len=16", "--batch_size=4", f"--output_dir={out}"])
+    assert exit_info.value.code == 2
+
+
+def test_a_stopped_run_stops_the_comparison_in_one_line(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C during a run: the trainer saves and returns a "stopped" record,
+    on which the script used to fail with KeyError: 'loss' and write nothing."""
+    script = load_script("compare_synthetic")
+    monkeypatch.setattr(
+        script, "run_training", lambda *a, **k: {"stopped_at": 2, "reason": "SIGTERM"}
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--steps=3", "--seq_len=8", "--mechanisms=full", f"--output_dir={tmp_path}"])
+    assert exit_info.value.code == 128 + 15
+    assert "stopped at step 2 of full (SIGTERM); the same command resumes it" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--flops_seq_lens=abc", "comma-separated integers"), ("--flops_seq_lens=0", ">= 1")],
+)
+def test_bad_flops_lengths_are_refused_before_training(tmp_path, capsys, flag, message):
+    script = load_script("compare_synthetic")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([flag, "--mechanisms=full", f"--output_dir={tmp_path}"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing trained
+
+
 def test_compare_synthetic_rejects_unknown_mechanism(tmp_path):
     script = load_script("compare_synthetic")
     with pytest.raises(SystemExit):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -153,8 +154,12 @@ def test_listops_train_resume_report(listops_data, tmp_path):
     assert straight["test_density"] == pytest.approx(1.0)  # full attention: every pair
     assert 0.0 <= straight["test_accuracy"] <= 1.0 and straight["test_examples"] == 16
 
-    # Summaries -> report: Table 1 holds the mean of the two equal runs, std 0.
-    report = lra_report.make_report(str(tmp_path / "runs"), str(tmp_path / "report"), 0)
+    # Summaries -> report. a and b are the same seed of one config: not two seeds.
+    with pytest.raises(lra_report.ReportError, match="seed 0: move one out of --root"):
+        lra_report.make_report(str(tmp_path / "runs"), str(tmp_path / "report"), 0)
+    shutil.copytree(tmp_path / "runs" / "a", tmp_path / "one" / "a")
+    # Table 1 holds the one run's accuracy, std 0.
+    report = lra_report.make_report(str(tmp_path / "one"), str(tmp_path / "report"), 0)
     acc = report["table1_accuracy"]["full"]["listops"]["accuracy"]
     assert acc[0] == pytest.approx(straight["test_accuracy"]) and acc[1] == pytest.approx(0.0)
     cost = report["table3_cost"]["full"]["listops"]
