@@ -729,3 +729,28 @@ def test_runs_saved_before_the_encoder_options_resume_at_their_old_behaviour():
         'config.model.attention_options.ste (none) -> "reference"',
         "config.model.final_norm (none) -> false",
     ]
+
+
+def test_summary_and_config_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A kill during the write of summary.json left a truncated file, which the sweep
+    took for a finished run and the report could not read. The run's JSON files go
+    through a temporary file and a rename: the old file or the new one, never half."""
+    from sbm_jax.training import run_dir
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"old": true}')
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # the process dies between the write and the rename
+
+    monkeypatch.setattr(run_dir.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.write_atomically(str(path), '{"new": true, "long": "' + "x" * 100_000 + '"}')
+    assert json.loads(path.read_text()) == {"old": True}
+    monkeypatch.undo()
+    run_dir.write_atomically(str(path), '{"new": true}')
+    assert json.loads(path.read_text()) == {"new": True}
+    out = str(tmp_path / "run")
+    status, _, err = run_train(*TINY, "--config.train.num_steps=2", f"--output_dir={out}")
+    assert status == 0, err
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]

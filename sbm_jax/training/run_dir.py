@@ -328,7 +328,7 @@ def truncate_records(output_dir: str, step: int) -> dict[str, int]:
             if _kept(record, step):
                 keep.append(line if line.endswith("\n") else line + "\n")
         dropped["jsonl"] = len(lines) - len(keep)
-        _rewrite(path, "".join(keep))
+        write_atomically(path, "".join(keep))
     path = os.path.join(output_dir, "metrics.csv")
     if os.path.isfile(path):
         with open(path, newline="", encoding="utf-8") as f:
@@ -354,7 +354,10 @@ def _csv_step(row: list[str]) -> float | None:
         return None
 
 
-def _rewrite(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a process killed
+    mid-write leaves the old file or the new one, never a truncated one (a truncated
+    summary.json would read as a finished run to the sweep and crash the report)."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

@@ -87,6 +87,7 @@ from sbm_jax.training.run_dir import (
     prepare_output_dir,
     resolve_output_dir,
     truncate_records,
+    write_atomically,
 )
 from sbm_jax.training.sharding import (
     data_axis_size,
@@ -392,8 +393,10 @@ def _train_and_evaluate(
             os.remove(summary_path)
         truncate_records(output_dir, resumed_from or 0)
         if not existing:
-            with open(os.path.join(output_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
-                f.write(run_config.to_json_best_effort(indent=2, sort_keys=True))
+            write_atomically(
+                os.path.join(output_dir, CONFIG_FILE),
+                run_config.to_json_best_effort(indent=2, sort_keys=True),
+            )
         if task.save_files is not None:
             task.save_files(output_dir)
     previous = _read_records(output_dir) if primary and resumed_from else []
@@ -647,8 +650,10 @@ def _train_and_evaluate(
     if task.summarize is not None:
         summary.update(task.summarize(summary))
     if primary:
-        with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(to_python_json(summary), f, indent=2, sort_keys=True)
+        write_atomically(
+            os.path.join(output_dir, "summary.json"),
+            json.dumps(to_python_json(summary), indent=2, sort_keys=True),
+        )
     return summary
 
 
