@@ -8,27 +8,68 @@ from collections.abc import Sequence
 
 
 def moving_average(values: Sequence[float], width: int) -> list[float]:
-    """Trailing mean over ``width`` values (fewer at the start)."""
-    out, total = [], 0.0
+    """Trailing mean over ``width`` values (fewer at the start), NaN-aware.
+
+    A NaN value (a non-finite logged step, an empty cell of metrics.csv) is left out of
+    the windows it falls in: it does not poison every later mean (as a running sum
+    would); a window holding no number gives NaN."""
+    if width < 1:
+        raise ValueError(f"moving average width must be >= 1, got {width}")
+    out: list[float] = []
+    total, count = 0.0, 0
     for i, value in enumerate(values):
-        total += value
+        if not math.isnan(value):
+            total += value
+            count += 1
         if i >= width:
-            total -= values[i - width]
-        out.append(total / min(i + 1, width))
+            old = values[i - width]
+            if not math.isnan(old):
+                total -= old
+                count -= 1
+        if count == 0:
+            total = 0.0  # the window is empty: drop the rounding left by the sum
+        out.append(total / count if count else math.nan)
     return out
 
 
 def read_metrics_csv(path: str) -> dict[str, list[float]]:
-    """metrics.csv -> {column: values}; empty cells become nan."""
+    """metrics.csv -> {column: values}; empty cells become nan. A header-only file gives
+    its columns with no values."""
     with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    columns: dict[str, list[float]] = {}
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        names = [name for name in reader.fieldnames or () if name]
+    columns: dict[str, list[float]] = {name: [] for name in names}
     for row in rows:
-        for key, value in row.items():
-            columns.setdefault(key, []).append(
-                float(value) if value not in ("", None) else math.nan
-            )
+        for key in names:
+            value = row.get(key)
+            columns[key].append(float(value) if value not in ("", None) else math.nan)
     return columns
+
+
+class MetricsFileError(ValueError):
+    """A metrics.csv a script cannot use; the message names the file."""
+
+
+def load_metrics_csv(path: str, required: Sequence[str] = ("step",)) -> dict[str, list[float]]:
+    """:func:`read_metrics_csv` for the scripts: a :class:`MetricsFileError` naming
+    ``path`` when it cannot be read (missing, a directory), is not a CSV of numbers,
+    lacks a ``required`` column or has no rows."""
+    try:
+        data = read_metrics_csv(path)
+    except OSError as err:
+        raise MetricsFileError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except (ValueError, UnicodeDecodeError, csv.Error) as err:
+        raise MetricsFileError(f"{path}: not a metrics.csv of numbers ({err})") from None
+    if not data:
+        raise MetricsFileError(f"{path}: empty (no header, no rows)")
+    missing = [name for name in required if name not in data]
+    if missing:
+        have = ", ".join(data)
+        raise MetricsFileError(f"{path}: no {', '.join(missing)} column (columns: {have})")
+    if not any(data.values()):
+        raise MetricsFileError(f"{path}: no rows yet (only the header)")
+    return data
 
 
 def plot_metrics(
