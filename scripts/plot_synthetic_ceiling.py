@@ -18,21 +18,45 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
+from sbm_jax import script_usage  # noqa: E402
+from sbm_jax.script_usage import UsageError  # noqa: E402
 from sbm_jax.tasks.synthetic import accuracy_ceiling  # noqa: E402
-from sbm_jax.training.plots import moving_average, read_metrics_csv  # noqa: E402
+from sbm_jax.training.plots import (  # noqa: E402
+    MetricsFileError,
+    load_metrics_csv,
+    moving_average,
+)
 
-_OUT = flags.DEFINE_string("out", "synthetic_ceiling.png", "PNG file to write.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "N of the runs (the ceiling depends on it).")
-_SMOOTH = flags.DEFINE_integer("smooth", 20, "Moving average over this many logged steps.")
+_OUT = flags.DEFINE_string(
+    "out",
+    "synthetic_ceiling.png",
+    "Image file to write (.png added when it has no extension); its folder must exist.",
+)
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", 64, "N of the runs (the ceiling depends on it).", lower_bound=2
+)
+_SMOOTH = flags.DEFINE_integer(
+    "smooth", 20, "Moving average over this many logged steps.", lower_bound=1
+)
 _TITLE = flags.DEFINE_string("title", None, "Figure title.")
 
 
 def main(argv: list[str]) -> None:
     runs = argv[1:]
     if not runs:
-        raise app.UsageError("give one or more run directories or metrics.csv files")
+        raise UsageError("give one or more run directories or metrics.csv files")
+    out = script_usage.image_file("out", _OUT.value)
+    curves = []  # every file read and checked before anything is drawn
+    for run in runs:
+        path = os.path.join(run, "metrics.csv") if os.path.isdir(run) else run
+        if not os.path.exists(path):
+            raise UsageError(f"{path} does not exist")
+        try:
+            curves.append((path, load_metrics_csv(path, ("density", "accuracy"))))
+        except MetricsFileError as err:
+            raise UsageError(str(err)) from None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,11 +66,7 @@ def main(argv: list[str]) -> None:
     grid = [i / 200 for i in range(201)]
     ceiling = [accuracy_ceiling(_SEQ_LEN.value, r) for r in grid]
     ax.plot(grid, ceiling, color="black", linewidth=2, label=f"ceiling (N={_SEQ_LEN.value})")
-    for run in runs:
-        path = os.path.join(run, "metrics.csv") if os.path.isdir(run) else run
-        if not os.path.isfile(path):
-            raise app.UsageError(f"{path} does not exist")
-        data = read_metrics_csv(path)
+    for path, data in curves:
         density = moving_average(data["density"], _SMOOTH.value)
         accuracy = moving_average(data["accuracy"], _SMOOTH.value)
         label = os.path.basename(os.path.normpath(os.path.dirname(path)))
@@ -60,9 +80,9 @@ def main(argv: list[str]) -> None:
     if _TITLE.value:
         ax.set_title(_TITLE.value)
     fig.tight_layout()
-    fig.savefig(_OUT.value, dpi=110)
-    print(_OUT.value)
+    fig.savefig(out, dpi=110)
+    print(out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    script_usage.run(main)

@@ -47,12 +47,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from sbm_jax import script_usage  # noqa: E402
+from sbm_jax.script_usage import UsageError  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "quick", "configs/synthetic.py preset, e.g. quick.")
 _INITS = flags.DEFINE_list("inits", ["independent", "tied"], "model.query_key_init values.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (parameters, data, graphs).")
-_BATCHES = flags.DEFINE_integer("batches", 8, "Fresh batches per init and seed.")
+_BATCHES = flags.DEFINE_integer(
+    "batches", 8, "Fresh batches per init and seed (per checkpoint with --run_dir).", lower_bound=1
+)
 _RUN_DIR = flags.DEFINE_string(
     "run_dir",
     "",
@@ -177,9 +182,82 @@ def step_range(text: str) -> tuple[int, int]:
     if not sep:
         raise ValueError(f"--steps={text!r} must be FIRST:LAST, e.g. 700:1100 or 700:")
     try:
-        return int(first or ALL_STEPS[0]), int(last) if last else ALL_STEPS[1]
+        bounds = int(first or ALL_STEPS[0]), int(last) if last else ALL_STEPS[1]
     except ValueError:
         raise ValueError(f"--steps={text!r}: FIRST and LAST must be integers") from None
+    if bounds[0] > bounds[1]:
+        raise ValueError(f"--steps={text!r}: FIRST is after LAST, so no checkpoint is in it")
+    return bounds
+
+
+def check_init_flags(preset: str, inits: list[str], seeds: list[str]) -> list[int]:
+    """The seeds of the init mode as integers, once ``--preset``, ``--inits`` and
+    ``--seeds`` are checked (a :class:`UsageError` naming the flag), before any model is
+    built."""
+    from configs import synthetic
+    from sbm_jax.models.encoder import QUERY_KEY_INITS
+    from sbm_jax.training.config_checks import config_errors, one_line
+
+    try:
+        synthetic.parse_preset(preset)
+    except ValueError as err:
+        raise UsageError(f"--preset={preset!r}: {err}") from None
+    if not inits:
+        raise UsageError(f"--inits is empty; give some of {', '.join(QUERY_KEY_INITS)}")
+    for init in inits:
+        if init not in QUERY_KEY_INITS:
+            raise UsageError(f"--inits: {init!r} is not one of {', '.join(QUERY_KEY_INITS)}")
+    if not seeds:
+        raise UsageError("--seeds is empty; give some seeds, e.g. --seeds=0,1,2")
+    try:
+        values = [int(seed) for seed in seeds]
+    except ValueError:
+        raise UsageError(f"--seeds={','.join(seeds)!r}: seeds are integers >= 0") from None
+    if any(seed < 0 for seed in values):
+        raise UsageError(f"--seeds={','.join(seeds)!r}: seeds are integers >= 0")
+    for init in inits:
+        config = synthetic.get_config(preset)
+        config.model.query_key_init = init
+        errors = config_errors(config)
+        if errors:
+            raise UsageError(f"--preset={preset!r} --inits={init}: {one_line(errors)}")
+    return values
+
+
+def check_run_dir(run_dir: str, steps: tuple[int, int]) -> list[int]:
+    """The kept checkpoint steps of ``run_dir`` within ``steps``, once it is checked to
+    be a synthetic-task run with some there (a :class:`UsageError` naming the flag)."""
+    from sbm_jax.training.config_checks import ConfigError
+    from sbm_jax.training.run_dir import saved_config
+
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"--run_dir={run_dir!r} is not a directory")
+    try:
+        saved = saved_config(run_dir)
+    except ConfigError as err:
+        raise UsageError(f"--run_dir: {err}") from None
+    if saved is None:
+        raise UsageError(
+            f"--run_dir={run_dir!r} holds no config.json (not a scripts/train.py run?)"
+        )
+    task = saved.get("task") if isinstance(saved, dict) else None
+    name = task.get("name") if isinstance(task, dict) else None
+    if name != "synthetic":
+        raise UsageError(
+            f"--run_dir={run_dir!r} is a run of task {name!r}; this script measures "
+            "synthetic-task runs (configs/synthetic.py)"
+        )
+    try:
+        kept = run_steps(run_dir)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    chosen = [step for step in kept if steps[0] <= step <= steps[1]]
+    if not chosen:
+        raise UsageError(
+            f"--steps={_STEPS.value!r}: no checkpoint of {run_dir!r} in that range (it kept "
+            f"steps {kept[0]} to {kept[-1]})"
+        )
+    return chosen
 
 
 def measure_run(
@@ -249,28 +327,41 @@ def measure(preset: str, init: str, seed: int, num_batches: int) -> dict[str, fl
 
 
 def main(argv: list[str]) -> None:
-    del argv
+    if argv[1:]:
+        raise UsageError(f"unexpected arguments: {' '.join(argv[1:])} (every option is a flag)")
     if _RUN_DIR.value:
+        given = [name for name in ("preset", "inits", "seeds") if flags.FLAGS[name].present]
+        if given:
+            raise UsageError(
+                f"--{', --'.join(given)}: not used with --run_dir (the run's own config is)"
+            )
+        try:
+            bounds = step_range(_STEPS.value) if _STEPS.value else ALL_STEPS
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        check_run_dir(_RUN_DIR.value, bounds)
         print(
             "| step | density | drive of the next update | via clusters + MLP | via query, key "
             "| via the rest |"
         )
         print("|---|---|---|---|---|---|")
-        bounds = step_range(_STEPS.value) if _STEPS.value else ALL_STEPS
         measure_run(_RUN_DIR.value, _BATCHES.value, bounds)
         return
+    if _STEPS.value:
+        raise UsageError(f"--steps={_STEPS.value!r} applies only with --run_dir")
+    seeds = check_init_flags(_PRESET.value, _INITS.value, _SEEDS.value)
     print(
         "| QK init | seed | density | descent drive (share > 0) | of it via clusters + MLP "
         "(share > 0) | Adam-step drive (share > 0) |"
     )
     print("|---|---|---|---|---|---|")
     for init in _INITS.value:
-        for seed in _SEEDS.value:
-            r = measure(_PRESET.value, init, int(seed), _BATCHES.value)
+        for seed in seeds:
+            r = measure(_PRESET.value, init, seed, _BATCHES.value)
             cells = [f"{r[k]:+.2e} ({r[k + '_positive']:.2f})" for k in ("sgd", "graph", "adam")]
-            row = [init, seed, f"{r['density']:.3f}", *cells]
+            row = [init, str(seed), f"{r['density']:.3f}", *cells]
             print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    script_usage.run(main)

@@ -19,13 +19,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+import math  # noqa: E402
 
-from sbm_jax.training.plots import moving_average, read_metrics_csv  # noqa: E402
+from absl import flags  # noqa: E402
+
+from sbm_jax import script_usage  # noqa: E402
+from sbm_jax.script_usage import UsageError  # noqa: E402
+from sbm_jax.training.plots import (  # noqa: E402
+    MetricsFileError,
+    load_metrics_csv,
+    moving_average,
+)
 
 _LEAVE = flags.DEFINE_float("leave", 0.70, "Accuracy that counts as leaving the baseline.")
 _SOLVED = flags.DEFINE_float("solved", 0.99, "Accuracy that counts as solved.")
-_SMOOTH = flags.DEFINE_integer("smooth", 20, "Moving average over this many logged steps.")
+_SMOOTH = flags.DEFINE_integer(
+    "smooth", 20, "Moving average over this many logged steps.", lower_bound=1
+)
 
 
 def first_step_at(steps: list[float], values: list[float], level: float) -> int | None:
@@ -36,13 +46,47 @@ def first_step_at(steps: list[float], values: list[float], level: float) -> int 
     return None
 
 
+def read_json(path: str) -> dict[str, object]:
+    """A run's JSON record; a :class:`UsageError` naming ``path`` when it is missing,
+    unreadable or not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist (not a run directory?)") from None
+    except OSError as err:
+        raise UsageError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path}: not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: not a JSON object")
+    return value
+
+
+def load_run(run: str) -> tuple[dict[str, object], dict[str, list[float]]]:
+    """``(config, metrics)`` of a run directory; a :class:`UsageError` naming the file
+    when either is missing or unusable (checked for every run before any row)."""
+    if not os.path.isdir(run):
+        raise UsageError(f"{run}: not a run directory")
+    config = read_json(os.path.join(run, "config.json"))
+    try:
+        metrics = load_metrics_csv(os.path.join(run, "metrics.csv"), ("step", "accuracy"))
+    except MetricsFileError as err:
+        raise UsageError(str(err)) from None
+    return config, metrics
+
+
+def _max(values: list[float]) -> float | None:
+    """The largest number of ``values`` (NaN left out); None when there is none."""
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else None
+
+
 def run_row(run: str, leave: float, solved: float, smooth: int) -> dict[str, object]:
     """The table's figures for one run directory."""
-    with open(os.path.join(run, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    config, metrics = load_run(run)
     model = config.get("model", {})
     options = model.get("attention_options", {}) or {}
-    metrics = read_metrics_csv(os.path.join(run, "metrics.csv"))
     steps, acc = metrics["step"], moving_average(metrics["accuracy"], smooth)
     dens = moving_average(metrics.get("density", [1.0] * len(steps)), smooth)
     row: dict[str, object] = {
@@ -53,13 +97,12 @@ def run_row(run: str, leave: float, solved: float, smooth: int) -> dict[str, obj
         "seed": config.get("seed", "?"),
         "leaves_baseline": first_step_at(steps, acc, leave),
         "solved": first_step_at(steps, acc, solved),
-        "max_density": max(dens) if dens else None,
+        "max_density": _max(dens),
         "last_step": int(steps[-1]) if steps else 0,
     }
     summary_path = os.path.join(run, "summary.json")
     if os.path.exists(summary_path):
-        with open(summary_path, encoding="utf-8") as f:
-            summary = json.load(f)
+        summary = read_json(summary_path)
         final = summary.get("eval") or {}
         row["accuracy"] = final.get("accuracy", summary.get("accuracy"))
         row["density"] = final.get("density", summary.get("density"))
@@ -98,13 +141,12 @@ def markdown(rows: list[dict[str, object]]) -> str:
 def main(argv: list[str]) -> None:
     runs = argv[1:]
     if not runs:
-        raise app.UsageError("give one or more synthetic-task run directories")
-    for run in runs:
-        if not os.path.exists(os.path.join(run, "metrics.csv")):
-            raise app.UsageError(f"{run}: no metrics.csv (not a run directory?)")
+        raise UsageError("give one or more synthetic-task run directories")
+    for run in runs:  # every run's files checked before any row is printed
+        load_run(run)
     rows = [run_row(run, _LEAVE.value, _SOLVED.value, _SMOOTH.value) for run in runs]
     print(markdown(rows), end="")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    script_usage.run(main)

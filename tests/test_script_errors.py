@@ -1,0 +1,264 @@
+"""User mistakes on the command line of the scripts: one line ``error: ...`` naming the
+flag or the file, exit status 2, no traceback, found before any long work (nothing
+measured, trained or printed first).
+
+The absl scripts (synthetic_table, plot_metrics, plot_synthetic_ceiling, synthetic_drive)
+define flags that clash with each other's (``--out``, ``--smooth``) and may exist only
+once per process: each runs in a child process of its own, which calls its ``main``
+through :func:`sbm_jax.script_usage.run` (what ``__main__`` does) once per case, plus
+one plain ``python scripts/<name>.py`` run. The argparse scripts run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sbm_jax import script_usage
+from tests.scripts_testing import ROOT
+
+# In the child: load the script once, then one script_usage.run(main, argv) per case,
+# flags reset to their defaults in between; the outcome of each as JSON on stdout.
+DRIVER = r"""
+import contextlib, io, json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+from absl import flags
+from sbm_jax import script_usage
+from tests.scripts_testing import load_script
+
+name, cases = sys.argv[2], json.loads(sys.argv[3])
+module = load_script(name)
+results = []
+for argv in cases:
+    if flags.FLAGS.is_parsed():
+        flags.FLAGS.unparse_flags()
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            script_usage.run(module.main, [name + ".py", *argv])
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        except BaseException:
+            traceback.print_exc()
+            code = "exception"
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def run_cases(name: str, cases: list[list[str]], cwd) -> list[dict]:
+    """Each argv of ``cases`` through scripts/<name>.py's main, in one child process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, ROOT, name, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=_env(),
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def run_script(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    """``python scripts/<name>.py ARGS`` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=_env(),
+        check=False,
+    )
+
+
+def assert_one_line_error(code, stdout: str, stderr: str, needle: str, what) -> None:
+    assert "Traceback" not in stderr, (what, stderr)
+    lines = stderr.strip().splitlines()
+    assert code == 2, (what, code, stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (what, stderr)
+    assert needle in lines[0], (what, needle, lines[0])
+    assert stdout == "", (what, stdout)  # nothing printed (nor measured) before it
+
+
+def check_cases(name: str, cases: list[tuple[list[str], str]], cwd) -> None:
+    results = run_cases(name, [argv for argv, _ in cases], cwd)
+    for (argv, needle), result in zip(cases, results, strict=True):
+        assert_one_line_error(
+            result["code"], result["stdout"], result["stderr"], needle, (name, argv)
+        )
+    # And once as a user runs it: the first case through the script's __main__.
+    argv, needle = cases[0]
+    proc = run_script(name, argv, cwd)
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, needle, (name, argv))
+
+
+# --------------------------------------------------------------------- run folders
+def _config(run, task="synthetic"):
+    run.mkdir(parents=True, exist_ok=True)
+    config = {"seed": 0, "task": {"name": task}, "model": {"attention": "sbm"}}
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def _runs(tmp_path) -> dict[str, str]:
+    """Run folders, each with one defect (and a good one), under ``tmp_path``."""
+    runs = {}
+    good = _config(tmp_path / "good")
+    (good / "metrics.csv").write_text("step,loss,accuracy,density\n1,0.5,0.6,0.3\n")
+    noconf = tmp_path / "noconf"
+    noconf.mkdir()
+    (noconf / "metrics.csv").write_text("step,loss,accuracy,density\n1,0.5,0.6,0.3\n")
+    (_config(tmp_path / "header") / "metrics.csv").write_text("step,loss,accuracy,density\n")
+    (_config(tmp_path / "empty") / "metrics.csv").write_text("")
+    (_config(tmp_path / "csvdir") / "metrics.csv").mkdir()
+    (_config(tmp_path / "nodens") / "metrics.csv").write_text("step,loss,accuracy\n1,0.5,0.6\n")
+    (_config(tmp_path / "words") / "metrics.csv").write_text("step,accuracy\n1,high\n")
+    badconf = _config(tmp_path / "badconf")
+    (badconf / "config.json").write_text("{not json")
+    (badconf / "metrics.csv").write_text("step,loss,accuracy,density\n1,0.5,0.6,0.3\n")
+    # synthetic_drive --run_dir: checkpoints are listed (never restored) by the checks
+    for step in (2, 4):
+        (_config(tmp_path / "drive") / "checkpoints" / "latest" / str(step)).mkdir(parents=True)
+    _config(tmp_path / "lra", task="lra_listops")
+    _config(tmp_path / "nockpt")
+    (tmp_path / "notes.txt").write_text("not a folder\n")
+    for name in (
+        "good",
+        "noconf",
+        "header",
+        "empty",
+        "csvdir",
+        "nodens",
+        "words",
+        "badconf",
+        "drive",
+        "lra",
+        "nockpt",
+    ):
+        runs[name] = str(tmp_path / name)
+    return runs
+
+
+# ---------------------------------------------------------------------- absl scripts
+def test_synthetic_table_user_errors(tmp_path):
+    r = _runs(tmp_path)
+    check_cases(
+        "synthetic_table",
+        [
+            ([r["noconf"]], "noconf/config.json does not exist"),
+            ([r["header"]], "header/metrics.csv: no rows yet"),
+            ([r["empty"]], "empty/metrics.csv: empty"),
+            ([r["csvdir"]], "csvdir/metrics.csv: cannot read it"),
+            ([r["words"]], "words/metrics.csv: not a metrics.csv"),
+            ([r["badconf"]], "badconf/config.json: not JSON"),
+            ([str(tmp_path / "notes.txt")], "notes.txt: not a run directory"),
+            # a bad run after a good one: nothing printed for the good one first
+            ([r["good"], r["header"]], "header/metrics.csv"),
+            (["--smooth=0", r["good"]], "--smooth=0"),
+            (["--smooth=-3", r["good"]], "--smooth=-3"),
+            (["--leave=x", r["good"]], "--leave=x"),
+            ([], "give one or more"),
+        ],
+        tmp_path,
+    )
+
+
+def test_plot_synthetic_ceiling_user_errors(tmp_path):
+    r = _runs(tmp_path)
+    out = str(tmp_path / "c.png")
+    check_cases(
+        "plot_synthetic_ceiling",
+        [
+            ([f"--out={out}", r["nodens"]], "nodens/metrics.csv: no density column"),
+            ([f"--out={out}", r["header"]], "header/metrics.csv: no rows yet"),
+            ([f"--out={out}", "--seq_len=0", r["good"]], "--seq_len=0"),
+            ([f"--out={out}", "--seq_len=1", r["good"]], "--seq_len=1"),
+            ([f"--out={out}", "--smooth=0", r["good"]], "--smooth=0"),
+            ([f"--out={tmp_path}/no/c.png", r["good"]], "--out="),
+            ([f"--out={tmp_path}", r["good"]], "is a directory"),
+            ([f"--out={out}", str(tmp_path / "missing")], "missing does not exist"),
+        ],
+        tmp_path,
+    )
+    assert not os.path.exists(out)
+
+
+def test_plot_metrics_user_errors(tmp_path):
+    r = _runs(tmp_path)
+    check_cases(
+        "plot_metrics",
+        [
+            ([f"--out={tmp_path}/no/m.png", r["good"]], f"folder '{tmp_path}/no' does not exist"),
+            ([f"--out={tmp_path}", r["good"]], "--out="),
+            ([f"--out={tmp_path}/m.txt", r["good"]], "cannot write .txt"),
+            (["--out=", r["good"]], "--out is empty"),
+            ([f"--out={tmp_path}/m.png", r["csvdir"]], "csvdir/metrics.csv: cannot read it"),
+            ([f"--out={tmp_path}/m.png", r["words"]], "words/metrics.csv: not a metrics.csv"),
+            (["--bogus", r["good"]], "bogus"),
+        ],
+        tmp_path,
+    )
+
+
+def test_plot_metrics_prints_the_file_it_writes(tmp_path):
+    # --out without an extension: matplotlib writes NAME.png, and that is what is printed.
+    r = _runs(tmp_path)
+    noext, png = str(tmp_path / "noext"), str(tmp_path / "m.png")
+    results = run_cases(
+        "plot_metrics", [[f"--out={noext}", r["good"]], [f"--out={png}", r["good"]]], tmp_path
+    )
+    assert [res["code"] for res in results] == [0, 0], results
+    assert results[0]["stdout"].strip() == noext + ".png"
+    assert os.path.isfile(noext + ".png") and not os.path.exists(noext)
+    assert results[1]["stdout"].strip() == png and os.path.isfile(png)
+
+
+def test_synthetic_drive_user_errors(tmp_path):
+    r = _runs(tmp_path)
+    check_cases(
+        "synthetic_drive",
+        [
+            (["--preset=bogus"], "--preset='bogus'"),
+            (["--inits=bogus"], "--inits: 'bogus'"),
+            (["--inits="], "--inits is empty"),
+            (["--seeds=x"], "--seeds='x'"),
+            (["--seeds=-1"], "--seeds='-1'"),
+            (["--steps=abc"], "--steps='abc' applies only with --run_dir"),
+            (["--batches=0"], "--batches=0"),
+            (["stray"], "unexpected arguments: stray"),
+            ([f"--run_dir={tmp_path}/missing"], "--run_dir="),
+            ([f"--run_dir={r['noconf']}"], "holds no config.json"),
+            ([f"--run_dir={r['badconf']}"], "--run_dir"),
+            ([f"--run_dir={r['lra']}"], "is a run of task 'lra_listops'"),
+            ([f"--run_dir={r['nockpt']}"], "no checkpoints under"),
+            ([f"--run_dir={r['drive']}", "--batches=0"], "--batches=0"),
+            ([f"--run_dir={r['drive']}", "--steps=abc"], "--steps='abc' must be FIRST:LAST"),
+            ([f"--run_dir={r['drive']}", "--steps=5:3"], "--steps='5:3': FIRST is after"),
+            ([f"--run_dir={r['drive']}", "--steps=100:"], "no checkpoint of"),
+            ([f"--run_dir={r['drive']}", "--seeds=1"], "--seeds: not used with --run_dir"),
+            ([f"--run_dir={r['drive']}", "extra"], "unexpected arguments: extra"),
+        ],
+        tmp_path,
+    )
+
+
+def test_script_usage_helpers(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        script_usage.fail("two\nlines")
+    assert info.value.code == 2 and capsys.readouterr().err == "error: two lines\n"
+    assert script_usage.output_file("out", str(tmp_path / "x"), ".png") == str(tmp_path / "x.png")
+    assert script_usage.image_file("out", str(tmp_path / "x.pdf")) == str(tmp_path / "x.pdf")
+    with pytest.raises(script_usage.UsageError, match="is a directory"):
+        script_usage.output_file("out", str(tmp_path))
