@@ -72,7 +72,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sbm_jax import fastrg  # noqa: E402
+from sbm_jax import fastrg, script_usage  # noqa: E402
 from sbm_jax.edge_ops import dense_masked_attention, edge_attention  # noqa: E402
 from sbm_jax.graph import EdgeList  # noqa: E402
 from sbm_jax.ste import straight_through  # noqa: E402
@@ -557,7 +557,7 @@ LAYER_CASES = ((1024, 0.05), (2048, 0.9), (4096, 0.02), (4096, 0.05))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25])
     p.add_argument("--impls", nargs="+", default=["segment", "rows"], help="core kernels")
@@ -634,31 +634,130 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--repeats must be >= 5 (median of at least 5), got {args.repeats}")
     if any(not 0.0 < dd <= 1.0 for dd in args.densities):
         p.error(f"--densities must lie in (0, 1], got {args.densities}")
+    if not 0.0 < args.long_density <= 1.0:
+        p.error(f"--long-density must lie in (0, 1], got {args.long_density}")
     try:
-        args.layer_cases = [
-            (int(c.split(":")[0]), float(c.split(":")[1])) for c in args.layer_cases
-        ]
+        args.layer_cases = [_layer_case(c) for c in args.layer_cases]
     except (IndexError, ValueError):
-        p.error(f"--layer-cases must look like 4096:0.05, got {args.layer_cases}")
+        p.error(
+            "--layer-cases must look like 4096:0.05 (n >= 1, density in (0, 1]), "
+            f"got {' '.join(args.layer_cases)}"
+        )
+    check_numbers(
+        p,
+        args,
+        positive=("sizes", "batch", "heads", "head_dim", "clusters", "long", "lra_step"),
+        non_negative=("warmup",),
+    )
+    check_numbers(p, args, positive=("lra_batch", "calibrate", "max_gib"))
+    from sbm_jax.kernels import KERNELS
+
+    impls = ("segment", *KERNELS)
+    for impl in args.impls:
+        if impl not in impls:
+            p.error(f"--impls: {impl!r} is not a core kernel; choose from {', '.join(impls)}")
     try:
         args.layer_options = layer_options(args.layer_options)
     except ValueError as err:
         p.error(str(err))
-    check_paths(p, args)
+    check_paths(p, args, markers=((BEGIN, END), _OLD_MARKERS))
     return args
 
 
-def check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One-line errors (both benchmark scripts) for a ``--from-json`` that is not a
-    file and a ``--json`` / ``--markdown`` whose folder does not exist: found before a
-    run that may take many minutes, not after it."""
-    if args.from_json and not os.path.isfile(args.from_json):
-        p.error(f"--from-json: no such file {args.from_json!r}")
-    for flag in ("json", "markdown"):
+def _layer_case(text: str) -> tuple[int, float]:
+    """``"4096:0.05"`` -> ``(4096, 0.05)``; a ValueError unless n >= 1 and density in (0, 1]."""
+    n_text, density_text = text.split(":")
+    n, density = int(n_text), float(density_text)
+    if n < 1 or not 0.0 < density <= 1.0:
+        raise ValueError(text)
+    return n, density
+
+
+def check_numbers(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    positive: Sequence[str] = (),
+    non_negative: Sequence[str] = (),
+) -> None:
+    """One-line errors (the benchmark and profile scripts) for a size, count or limit
+    flag below its least sensible value (a list flag: any of its values); ``None`` (an
+    unset optional flag) passes."""
+    for names, least, words in ((positive, 0, "> 0"), (non_negative, -1, ">= 0")):
+        for name in names:
+            value = getattr(args, name)
+            values = value if isinstance(value, list) else [value]
+            bad = [v for v in values if v is not None and not v > least]
+            if bad:
+                flag = "--" + name.replace("_", "-")
+                p.error(f"{flag} must be {words}, got {' '.join(str(v) for v in bad)}")
+
+
+def check_paths(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    markers: Sequence[tuple[str, str]] = (),
+) -> None:
+    """One-line errors (the benchmark and profile scripts) for a ``--from-json`` that is
+    not a JSON report (read into ``args.report``), a ``--json`` / ``--markdown`` that
+    cannot be written (a directory, a missing folder, no permission) and a
+    ``--markdown`` file whose generated block's ``markers`` (begin, end) are unpaired
+    or repeated: found before a run that may take many minutes, not after it."""
+    from_json = getattr(args, "from_json", None)
+    if from_json:
+        args.report = read_report(p, from_json)
+    outputs = ["markdown"] if from_json else ["json", "markdown"]
+    for flag in outputs:
         path = getattr(args, flag, None)
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            p.error(f"--{flag}: folder {folder!r} does not exist")
+        if path is None:
+            continue
+        why = "is empty" if not path else unwritable(path)
+        if why:
+            p.error(f"--{flag} {path!r}: {why}")
+    markdown_path = getattr(args, "markdown", None)
+    if markdown_path and os.path.isfile(markdown_path):
+        try:
+            text = Path(markdown_path).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            p.error(f"--markdown {markdown_path!r}: cannot read it ({err})")
+        for begin, end in markers:  # as write_markdown looks for them
+            try:
+                if replace_block(text, begin, end, "") is not None:
+                    break
+            except ValueError as err:
+                p.error(f"--markdown {markdown_path!r}: {err}; fix the file by hand")
+
+
+def read_report(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The saved report ``--from-json`` names: a JSON object with a ``results`` list."""
+    if not os.path.isfile(path):
+        p.error(f"--from-json: no such file {path!r}")
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        p.error(f"--from-json {path!r}: not a JSON report ({err})")
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+        p.error(f"--from-json {path!r}: not a report of this script (no 'results' list)")
+    return report
+
+
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file, or None when it can (a missing file is
+    created and removed again to find out: permissions and read-only or pseudo file
+    systems such as /proc say so only then)."""
+    if os.path.isdir(path):
+        return "is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder!r} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    try:
+        with open(path, "x"):
+            pass
+    except OSError as err:
+        return f"cannot be created ({err.strerror or err})"
+    os.remove(path)
+    return None
 
 
 def layer_options(items: Sequence[str]) -> dict[str, Any]:
@@ -1307,7 +1406,10 @@ def write_markdown(path: Path, body: str) -> None:
         return
     text = path.read_text()
     for begin, end in ((BEGIN, END), _OLD_MARKERS):
-        replaced = replace_block(text, begin, end, block)
+        try:
+            replaced = replace_block(text, begin, end, block)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
         if replaced is not None:
             path.write_text(replaced)
             return
@@ -1317,9 +1419,23 @@ def write_markdown(path: Path, body: str) -> None:
 def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
     """``text`` with the span from ``begin`` to ``end`` replaced by ``block`` (which
     holds its own markers) and one blank line before the prose after it; ``None``
-    when ``text`` has no such span."""
-    if begin not in text or end not in text.split(begin, 1)[1]:
+    when ``text`` has neither marker.
+
+    Raises:
+      ValueError: the markers are unpaired (one without the other, ``end`` first) or
+        repeated: replacing "from the first begin to the next end" would then delete
+        text that is not the generated block (hand-written notes after an unpaired
+        ``begin``, once a later run had appended a new block).
+    """
+    n_begin, n_end = text.count(begin), text.count(end)
+    if n_begin == n_end == 0:
         return None
+    if n_begin != 1 or n_end != 1 or text.index(end) < text.index(begin):
+        order = "" if n_begin != 1 or n_end != 1 else ", the end before the begin"
+        raise ValueError(
+            f"its generated block's markers are unpaired or repeated ({n_begin} x {begin}, "
+            f"{n_end} x {end}{order})"
+        )
     head, rest = text.split(begin, 1)
     tail = rest.split(end, 1)[1].lstrip("\n")
     return head + block + ("\n" + tail if tail else "")
@@ -1351,7 +1467,7 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
+        report = args.report
     else:
         command = "python scripts/benchmark_attention.py " + " ".join(
             sys.argv[1:] if argv is None else argv
@@ -1364,7 +1480,10 @@ def main(argv=None) -> None:
         print(f"wrote {out}")
     print_table(report)
     if args.markdown:
-        write_markdown(Path(args.markdown), markdown(report, report["command"]))
+        try:
+            write_markdown(Path(args.markdown), markdown(report, report.get("command", "")))
+        except ValueError as err:  # markers changed by hand during the run
+            script_usage.fail(f"--markdown: {err}")
         print(f"wrote {args.markdown}")
 
 

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_attention import (  # noqa: E402
+    check_numbers,
     check_paths,
     machine,
     machine_text,
@@ -52,6 +53,7 @@ from benchmark_attention import (  # noqa: E402
     replace_block,
 )
 
+from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.attention import get_attention  # noqa: E402
 from sbm_jax.attention.sparse_patterns import default_stride, default_summary_cells  # noqa: E402
 
@@ -268,7 +270,10 @@ def write_markdown(path: Path, body: str) -> None:
     """Replace the generated block of the section at the end of ``path`` (or add both)."""
     block = f"{BEGIN}\n{body}{END}\n"
     text = path.read_text() if path.exists() else "# Attention benchmarks\n"
-    replaced = replace_block(text, BEGIN, END, block)
+    try:
+        replaced = replace_block(text, BEGIN, END, block)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     if replaced is not None:
         path.write_text(replaced)
         return
@@ -278,7 +283,7 @@ def write_markdown(path: Path, body: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument(
         "--layers",
@@ -307,7 +312,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--chunk-c", type=int, default=None, help="fixed c for --chunk-sweep")
     args = p.parse_args(argv)
-    check_paths(p, args)
+    if args.chunk_sweep and args.from_json:
+        p.error("--chunk-sweep measures the cores; --from-json measures nothing: give one")
+    # --repeats: the medians need one call per round at least (benchmark_attention asks
+    # for 5; the usage above shows fewer for a quick look).
+    check_numbers(
+        p,
+        args,
+        positive=("sizes", "batch", "heads", "head_dim", "repeats", "max_gib", "chunk_c"),
+        non_negative=("warmup", "mask_max_n", "chunk_sweep"),
+    )
+    check_paths(p, args, markers=((BEGIN, END),))
+    missing = [k for k in ("config", "machine", "command") if k not in getattr(args, "report", {})]
+    if args.from_json and missing:
+        p.error(f"--from-json {args.from_json!r}: not a report of this script (no {missing[0]!r})")
     return args
 
 
@@ -317,7 +335,7 @@ def main(argv=None) -> None:
         chunk_sweep(args)
         return
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
+        report = args.report
     else:
         report = run(args)
         report["command"] = "python scripts/benchmark_sparse_patterns.py " + " ".join(
@@ -328,7 +346,10 @@ def main(argv=None) -> None:
     body = markdown(report)
     print(body)
     if args.markdown:
-        write_markdown(Path(args.markdown), body)
+        try:
+            write_markdown(Path(args.markdown), body)
+        except ValueError as err:  # markers changed by hand during the run
+            script_usage.fail(f"--markdown: {err}")
         print(f"wrote {args.markdown}")
 
 

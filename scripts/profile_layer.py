@@ -32,6 +32,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import statistics
 import sys
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchmark_attention as bench  # noqa: E402
 
+from sbm_jax import script_usage  # noqa: E402
 from sbm_jax._scopes import PARTS, STE_BACKWARD  # noqa: E402
 
 REST = "rest of the layer"  # projections, output, sowing, glue between the parts
@@ -199,7 +201,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=["sbm", "full"], default="sbm")
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--density", type=float, default=0.05)
@@ -222,6 +224,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if not 0.0 < args.density <= 1.0:
         p.error(f"--density must lie in (0, 1], got {args.density}")
+    bench.check_numbers(
+        p, args, positive=("n", "batch", "heads", "head_dim"), non_negative=("top",)
+    )
+    if args.trace_dir is not None:
+        if not args.trace_dir:
+            p.error("--trace-dir is empty; leave it out for a temporary folder")
+        if os.path.exists(args.trace_dir) and not os.path.isdir(args.trace_dir):
+            p.error(f"--trace-dir {args.trace_dir!r} is a file, not a folder")
+    bench.check_paths(p, args)  # --json: written after the profile, checked now
     try:
         args.options = bench.layer_options(args.layer_options) or None
     except ValueError as err:

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from sbm_jax import script_usage
-from tests.scripts_testing import ROOT
+from tests.scripts_testing import ROOT, load_script
 
 # In the child: load the script once, then one script_usage.run(main, argv) per case,
 # flags reset to their defaults in between; the outcome of each as JSON on stdout.
@@ -252,6 +252,156 @@ def test_synthetic_drive_user_errors(tmp_path):
         ],
         tmp_path,
     )
+
+
+# ------------------------------------------------------------------ argparse scripts
+def _no_measuring(monkeypatch, *targets):
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the argument error")
+
+    for module, name in targets:
+        monkeypatch.setattr(module, name, measured)
+
+
+def _expect_error(main, argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert_one_line_error(info.value.code, captured.out, captured.err, needle, argv)
+
+
+@pytest.fixture
+def saved_files(tmp_path):
+    notjson = tmp_path / "notes.txt"
+    notjson.write_text("not json\n")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([1, 2]))
+    unpaired = tmp_path / "unpaired.md"
+    return {"notjson": str(notjson), "other": str(other), "unpaired": unpaired}
+
+
+def test_benchmark_attention_user_errors(tmp_path, saved_files, monkeypatch, capsys):
+    bench = load_script("benchmark_attention")
+    _no_measuring(monkeypatch, (bench, "run"), (bench, "measure"), (bench, "layer_workload"))
+    md = saved_files["unpaired"]
+    md.write_text(f"# B\n\n{bench.BEGIN}\nold\n\n## Notes\n\nhand-written\n")
+    json_out = ["--json", str(tmp_path / "b.json")]
+    for argv, needle in [
+        (["--impls", "bogus"], "--impls: 'bogus'"),
+        (["--sizes", "0"], "--sizes must be > 0, got 0"),
+        (["--sizes", "1024", "-8"], "--sizes must be > 0, got -8"),
+        (["--heads", "0"], "--heads must be > 0"),
+        (["--batch", "0"], "--batch must be > 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--max-gib", "-1"], "--max-gib must be > 0"),
+        (["--layer-cases", "64:2"], "--layer-cases"),
+        (["--layer-cases", "0:0.5"], "--layer-cases"),
+        (["--long-density", "2"], "--long-density"),
+        (["--json", ""], "--json '': is empty"),
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--json", "/proc/x.json"], "--json '/proc/x.json': cannot be created"),
+        (["--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+        (["--from-json", saved_files["notjson"]], "not a JSON report"),
+        (["--from-json", saved_files["other"]], "not a report of this script"),
+        (["--markdown", str(md), *json_out], "unpaired or repeated"),
+        (["--repeats", "3"], "--repeats must be >= 5"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ]:
+        _expect_error(bench.main, argv if "--json" in argv else [*argv, *json_out], needle, capsys)
+    assert not os.path.exists(tmp_path / "b.json")  # the probe of --json left nothing
+
+
+def test_benchmark_sparse_patterns_user_errors(tmp_path, saved_files, monkeypatch, capsys):
+    sp = load_script("benchmark_sparse_patterns")
+    _no_measuring(monkeypatch, (sp, "run"), (sp, "chunk_sweep"), (sp, "measure_interleaved"))
+    md = saved_files["unpaired"]
+    md.write_text(f"# B\n\n{sp.SECTION}\n\n{sp.BEGIN}\nold\n\nReading it: by hand\n")
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"results": []}))
+    json_out = ["--json", str(tmp_path / "s.json")]
+    for argv, needle in [
+        (["--repeats", "0"], "--repeats must be > 0, got 0"),
+        (["--repeats", "-2"], "--repeats must be > 0, got -2"),
+        (["--sizes", "0"], "--sizes must be > 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--json", "/proc/x.json"], "--json '/proc/x.json': cannot be created"),
+        (["--from-json", saved_files["notjson"]], "not a JSON report"),
+        (["--from-json", str(report)], "not a report of this script (no 'config')"),
+        (["--chunk-sweep", "0", "--from-json", str(report)], "--chunk-sweep"),
+        (["--markdown", str(md), *json_out], "unpaired or repeated"),
+        (["--layers", "stridedd"], "invalid choice: 'stridedd'"),
+    ]:
+        _expect_error(sp.main, argv if "--json" in argv else [*argv, *json_out], needle, capsys)
+
+
+def test_profile_layer_user_errors(tmp_path, monkeypatch, capsys):
+    profile = load_script("profile_layer")
+    _no_measuring(monkeypatch, (profile, "profile"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in [
+        (["--json", str(tmp_path / "nodir" / "x.json")], "--json"),
+        (["--json", "/proc/x.json"], "cannot be created"),
+        (["--trace-dir", str(afile)], "--trace-dir"),
+        (["--n", "0"], "--n must be > 0, got 0"),
+        (["--n", "-5"], "--n must be > 0, got -5"),
+        (["--heads", "0"], "--heads must be > 0"),
+        (["--top", "-3"], "--top must be >= 0"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ]:
+        _expect_error(profile.main, argv, needle, capsys)
+
+
+# ------------------------------------------------------------ generated markdown blocks
+@pytest.mark.parametrize(
+    "layout",
+    ["begin only", "end only", "two begins", "two blocks", "end before begin"],
+)
+def test_unpaired_markers_are_refused_and_the_file_kept(tmp_path, layout):
+    # A BEGIN without its END used to make write_markdown append a new block; the next
+    # run then replaced everything from the old BEGIN to the new END: the notes between.
+    bench = load_script("benchmark_attention")
+    sp = load_script("benchmark_sparse_patterns")
+    for module in (bench, sp):
+        b, e = module.BEGIN, module.END
+        text = {
+            "begin only": f"# B\n\n{b}\nold\n\n## Notes\n\nhand-written\n",
+            "end only": f"# B\n\nold\n{e}\n\nhand-written\n",
+            "two begins": f"# B\n\n{b}\nold\n{b}\nold\n{e}\nhand-written\n",
+            "two blocks": f"{b}\nold\n{e}\nhand-written\n{b}\nnew\n{e}\n",
+            "end before begin": f"# B\n{e}\nhand-written\n{b}\n",
+        }[layout]
+        with pytest.raises(ValueError, match="unpaired or repeated"):
+            module.replace_block(text, b, e, f"{b}\nnew\n{e}\n")
+        doc = tmp_path / "doc.md"
+        doc.write_text(text)
+        with pytest.raises(ValueError, match="doc.md"):
+            module.write_markdown(doc, "new\n")
+        assert doc.read_text() == text
+    # Paired markers are still replaced; no markers: None (the block is appended).
+    b, e = bench.BEGIN, bench.END
+    assert bench.replace_block(f"a\n{b}\nx\n{e}\nz\n", b, e, "B\n") == "a\nB\n\nz\n"
+    assert bench.replace_block("a\n", b, e, "B\n") is None
+
+
+def test_a_second_run_on_an_unpaired_begin_keeps_the_notes(tmp_path, monkeypatch, capsys):
+    # The audit's case end to end, with --from-json (nothing measured): refused before
+    # anything is written, twice, and the hand-written notes stay.
+    bench = load_script("benchmark_attention")
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"command": "x", "results": [], "config": {}}))
+    doc = tmp_path / "benchmarks.md"
+    text = f"# Attention benchmarks\n\n{bench.BEGIN}\nold\n\n## Notes\n\nhand-written\n"
+    doc.write_text(text)
+    monkeypatch.setattr(bench, "print_table", lambda report: None)
+    for _ in range(2):
+        _expect_error(
+            bench.main,
+            ["--from-json", str(report), "--markdown", str(doc)],
+            "benchmarks.md",
+            capsys,
+        )
+        assert doc.read_text() == text
 
 
 def test_script_usage_helpers(tmp_path, capsys):
