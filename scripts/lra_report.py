@@ -42,10 +42,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
+from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.training.run_dir import SAFE_TO_CHANGE, config_differences  # noqa: E402
-from scripts.script_errors import exit_with_error, parse_flags_or_exit  # noqa: E402
 
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder")
 
@@ -54,7 +54,7 @@ _OUT = flags.DEFINE_string("out", "reports/lra", "Output directory.")
 _MAPS = flags.DEFINE_integer("num_maps", 3, "Inputs per density-map figure (0: none).")
 
 
-class ReportError(ValueError):
+class ReportError(script_usage.UsageError):
     """The runs under --root cannot make one report: one line, exit status 2."""
 
 
@@ -630,11 +630,8 @@ def make_report(root: str, out: str, num_maps: int = 3) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        exit_with_error(f"unexpected arguments: {argv[1:]}")
-    try:
-        report = make_report(_ROOT.value, _OUT.value, _MAPS.value)
-    except ReportError as e:
-        exit_with_error(str(e))
+        raise script_usage.UsageError(f"unexpected arguments: {argv[1:]}")
+    report = make_report(_ROOT.value, _OUT.value, _MAPS.value)
     for path in report["files"]:
         print(path)
         if path.endswith(".md"):
@@ -643,4 +640,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags_or_exit)
+    script_usage.run(main)

@@ -38,13 +38,11 @@ import subprocess
 import sys
 from typing import Any
 
+from absl import flags
+
+from sbm_jax import script_usage
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from absl import app, flags  # noqa: E402
-
-from scripts.script_errors import exit_with_error, parse_flags_or_exit  # noqa: E402
-
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 
 _TASKS = flags.DEFINE_list("tasks", list(TASKS), "LRA tasks.")
@@ -59,8 +57,7 @@ _OVERRIDES = flags.DEFINE_multi_string(
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")
 
 
-class UsageError(ValueError):
-    """A bad flag of the sweep: one line, exit status 2."""
+UsageError = script_usage.UsageError
 
 
 def run_dir(root: str, task: str, mechanism: str, lam: float, seed: int) -> str:
@@ -162,13 +159,6 @@ def _last_error(log_path: str) -> str | None:
 
 
 def main(argv: list[str]) -> None:
-    try:
-        _main(argv)
-    except UsageError as e:
-        exit_with_error(str(e))
-
-
-def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {argv[1:]}")
     try:
@@ -239,4 +229,4 @@ def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags_or_exit)
+    script_usage.run(main)
