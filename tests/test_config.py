@@ -325,3 +325,22 @@ def write_snapshot(path: str = SNAPSHOT) -> None:
 
 if __name__ == "__main__":
     write_snapshot()
+
+
+def test_tied_query_key_init_is_refused_for_mechanisms_without_both_projections():
+    """query_key_init='tied' copies the query projection over the key projection:
+    Reformer (one shared projection) and TSA (no query) used to fail with a traceback at
+    the first model init, after the data was built; the config check now says so."""
+    from configs import synthetic
+    from sbm_jax.attention import available
+    from sbm_jax.training.config_checks import config_errors
+
+    refused = []
+    for name in available():
+        config = synthetic.get_config(f"{name},smoke")
+        config.model.query_key_init = "tied"
+        errors = [e for e in config_errors(config) if "query_key_init='tied'" in e]
+        if errors:
+            assert "to have 'query' and 'key' projections" in errors[0], errors
+            refused.append(name)
+    assert refused == ["reformer", "tsa"]

@@ -142,6 +142,8 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
         validate = getattr(module, "validate", None)
         if validate is not None:
             validate()
+        if model.get("query_key_init") == "tied":
+            _check_tied_projections(module, model, errors)
     except (TypeError, ValueError) as e:
         message = str(e)
         name = message.replace("=", " ").split(" ", 1)[0]
@@ -153,6 +155,34 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
             errors.append(f"model.{message}")
         else:
             errors.append(f"model.attention_options (attention {model.attention!r}): {message}")
+
+
+def _check_tied_projections(module: Any, model: Any, errors: list[str]) -> None:
+    """``query_key_init="tied"`` copies the query projection over the key projection:
+    the mechanism needs both (Reformer shares one, TSA has no query), which its
+    parameters, from an abstract init (no computation), tell. A mechanism that cannot be
+    initialised on this small input is left to the model's own error."""
+    import jax
+    import jax.numpy as jnp
+
+    length = max(1, min(16, int(model.get("max_len") or 16)))
+    x = jax.ShapeDtypeStruct((1, length, int(model.get("emb_dim"))), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, length), jnp.bool_)
+    try:
+        shapes = jax.eval_shape(
+            lambda x, mask: module.init(jax.random.PRNGKey(0), x, mask, deterministic=True),
+            x,
+            mask,
+        )
+    except Exception:  # noqa: BLE001 (checked again, with a message, when the model is built)
+        return
+    names = sorted(shapes.get("params", {}))
+    if "query" not in names or "key" not in names:
+        errors.append(
+            f"model.query_key_init='tied' needs attention {model.get('attention')!r} to have "
+            f"'query' and 'key' projections, and its parameters are {names}; use "
+            "query_key_init='independent'"
+        )
 
 
 def check_model(model: Any, errors: list[str]) -> None:
