@@ -204,3 +204,42 @@ def test_the_reports_of_a_failed_read_are_dropped_and_nothing_else():
         assert sys.unraisablehook == seen.append
     finally:
         sys.unraisablehook = previous
+
+
+def test_init_from_params_load_whatever_devices_saved_them(tmp_path):
+    """A run saved on 2 devices, read for config.init_from on 1 (pretraining on a
+    2-GPU host, fine-tuning on one): orbax rebuilt the saved sharding and failed with
+    "Topology mismatch"; load_params now restores onto this process's device."""
+    import os
+    import subprocess
+    import sys
+
+    from sbm_jax.training.checkpoints import find_checkpoint, load_params
+    from tests.process_testing import xla_flags
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = tmp_path / "run"
+    saved = tmp_path / "params.npz"
+    script = f"""
+import jax, numpy as np
+from sbm_jax.training import cli
+from sbm_jax.training.checkpoints import find_checkpoint, load_params
+assert jax.device_count() == 2
+status = cli.main(["train.py", "--config={root}/configs/synthetic.py:full,smoke",
+    "--config.task.seq_len=8", "--config.train.batch_size=8", "--config.train.num_steps=2",
+    "--output_dir={run}"], task_modules=())
+assert status == 0, status
+leaves = jax.tree_util.tree_leaves_with_path(load_params(find_checkpoint("{run}")))
+np.savez("{saved}", **{{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}})
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root, XLA_FLAGS=xla_flags(2))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert jax.device_count() == 1
+    here = jax.tree_util.tree_leaves_with_path(load_params(find_checkpoint(str(run))))
+    there = np.load(saved)
+    assert sorted(there.files) == sorted(jax.tree_util.keystr(k) for k, _ in here)
+    for key, value in here:
+        np.testing.assert_array_equal(np.asarray(value), there[jax.tree_util.keystr(key)])

@@ -426,13 +426,29 @@ def read_checkpoint_meta(checkpoint: str) -> dict[str, Any]:
 
 
 def load_params(checkpoint: str) -> Any:
-    """The ``params`` pytree (host arrays) of one checkpoint step directory."""
+    """The ``params`` pytree (host arrays) of one checkpoint step directory.
+
+    Restored onto this process's first device whatever devices saved it: without a
+    target, orbax rebuilds the saved sharding and fails ("Topology mismatch") when the
+    device count differs, e.g. a pretraining run on 2 GPUs fine-tuned on 1.
+    """
     directory, step = os.path.split(os.path.abspath(checkpoint))
     with _quiet():
-        manager = ocp.CheckpointManager(directory)
+        manager = ocp.CheckpointManager(
+            directory,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
         try:
+            saved = manager.item_metadata(int(step))["state"]
+            here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            target = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=here), saved
+            )
             restored = manager.restore(
-                int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore())
+                int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
             )
         finally:
             manager.close()
