@@ -231,6 +231,17 @@ def check_checkpoint_mechanism(config: Any, saved: Mapping[str, Any] | None) -> 
             f"config.model.attention={config.model.attention!r} but the checkpoint was "
             f"pretrained with {saved.get('attention')!r}; pick the matching mechanism preset"
         )
+    # sbm and sbm_nowindow are one mechanism: the window tells them apart (and labels
+    # the run's row in Table 4), so it must be the checkpoint's too.
+    mine = (config.model.get("attention_options") or {}).get("window", 0)
+    theirs = (saved.get("attention_options") or {}).get("window", 0)
+    if int(mine or 0) != int(theirs or 0):
+        preset = config.get("mechanism", config.model.attention)
+        raise ConfigError(
+            f"config.model.attention_options.window={mine} (preset {preset!r}) but the "
+            f"checkpoint was pretrained with window {theirs}; pick the matching preset "
+            "(sbm: with the window, sbm_nowindow: without)"
+        )
 
 
 def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) -> None:
@@ -314,6 +325,13 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         checkpoint = find_checkpoint(str(config.init_from))
         meta = read_checkpoint_meta(checkpoint)
         apply_checkpoint_architecture(config, (meta.get("config") or {}).get("model"))
+        source_task = ((meta.get("config") or {}).get("task") or {}).get("name")
+        if source_task and source_task != "glue_mlm":
+            print(
+                f"note: config.init_from is a {source_task} run, not a pretraining run: its "
+                "encoder is used and its head dropped",
+                flush=True,
+            )
         run_tokenizer = os.path.join(run_dir_of_checkpoint(checkpoint), TOKENIZER_FILE)
         if not tokenizer_path:
             tokenizer_path = run_tokenizer
@@ -323,6 +341,12 @@ def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -
         else "config.data.tokenizer='' and the tokenizer beside config.init_from's run"
     )
     tokenizer = load_tokenizer(tokenizer_path, flag=field)
+    if not config.get("init_from"):
+        print(
+            "warning: config.init_from is empty: the encoder starts from random weights, not "
+            "a pretrained one (scripts/glue_report.py leaves such runs out of Table 4)",
+            flush=True,
+        )
     if config.data.tokenizer and run_tokenizer:
         check_pretraining_tokenizer(tokenizer, tokenizer_path, run_tokenizer)
     if tokenizer.get_vocab_size() > int(config.model.vocab_size):

@@ -88,6 +88,13 @@ def load_summaries(paths: Sequence[str], globbed: Sequence[bool] = ()) -> list[d
         if i < len(globbed) and globbed[i] and summary.get("task") == PRETRAINING_TASK:
             print(f"note: {path} is a pretraining run's summary: left out", file=sys.stderr)
             continue
+        if "init_from" in summary and not summary["init_from"]:
+            # Fine-tuned from random weights (no config.init_from): not a Table 4 number.
+            print(
+                f"note: {path} was not fine-tuned from a pretrained encoder: left out",
+                file=sys.stderr,
+            )
+            continue
         try:
             for key in ("headline", "headline_accuracy"):
                 collect([summary], key)

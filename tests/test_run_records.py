@@ -754,3 +754,19 @@ def test_summary_and_config_are_written_whole_or_not_at_all(tmp_path, monkeypatc
     status, _, err = run_train(*TINY, "--config.train.num_steps=2", f"--output_dir={out}")
     assert status == 0, err
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_the_summary_names_the_init_checkpoint_the_run_started_from(tmp_path):
+    """init_from names a run; its best checkpoint may change before this run resumes.
+    The summary used to name whatever the lookup found in the last session."""
+    pre, tuned = str(tmp_path / "pre"), str(tmp_path / "tuned")
+    assert run_train(*TINY, "--config.train.num_steps=2", f"--output_dir={pre}")[0] == 0
+    (step,) = os.listdir(os.path.join(pre, "checkpoints", "best"))
+    used = os.path.join(pre, "checkpoints", "best", step)
+    first = (*TINY, f"--config.init_from={pre}", f"--output_dir={tuned}")
+    assert run_train(*first, "--config.train.num_steps=1")[0] == 0
+    shutil.copytree(used, os.path.join(pre, "checkpoints", "best", "9"))  # a newer best
+    status, stdout, err = run_train(*first, "--config.train.num_steps=2")
+    assert status == 0 and "resuming from step 1" in stdout, err
+    with open(os.path.join(tuned, "summary.json"), encoding="utf-8") as f:
+        assert json.load(f)["init_from"] == used

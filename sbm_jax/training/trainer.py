@@ -371,6 +371,9 @@ def _train_and_evaluate(
             )
             state = put_global(fresh_host.replace(params=params), shardings)
             log(f"initialised from {init_checkpoint}")
+            # Kept with every checkpoint: init_from names a run whose best checkpoint may
+            # change before this run resumes; the summary names the one used.
+            meta["init_checkpoint"] = init_checkpoint
     del fresh_host
     # A best checkpoint newer than the restored state is from a session whose later
     # checkpoints were lost: the steps after it run again and choose their own best.
@@ -615,7 +618,7 @@ def _train_and_evaluate(
         "steps": int(state.step),
         "steps_this_session": steps_run,
         "resumed_from": resumed_from,
-        "init_from": init_checkpoint,
+        "init_from": meta.get("init_checkpoint", init_checkpoint),
         "step": last_train.get("step"),
         "loss": last_train.get("loss"),
         "accuracy": last_train.get("accuracy"),

@@ -153,3 +153,9 @@ def test_dry_run_catches_a_preset_of_another_mechanism(tokenizer_path, tmp_path,
     assert "config.model.attention='full' but the checkpoint was pretrained with 'sbm'" in err
     status, out, err = dry_run("sbm,smoke,task=sst2")
     assert status == 0 and "config OK" in out, err
+    # sbm and sbm_nowindow are one registry name; the window tells them apart, and a
+    # no-window preset on a windowed checkpoint trained with the window but was
+    # labelled "SBM-Transformer (no window)" in Table 4.
+    status, out, err = dry_run("sbm_nowindow,smoke,task=sst2")
+    assert status == 2 and "Traceback" not in err, err
+    assert "config.model.attention_options.window=0 (preset 'sbm_nowindow')" in err, err

@@ -99,3 +99,27 @@ def test_a_summary_named_twice_counts_once_and_output_errors_are_one_line(tmp_pa
     assert "--output=" in err and "not a file in a folder" in err
     err = _report_error(capsys, str(a), f"--output={tmp_path}")
     assert "not a file in a folder" in err
+
+
+def test_runs_fine_tuned_from_random_weights_are_left_out(tmp_path, capsys):
+    """A fine-tuning run without config.init_from trains a random encoder; its summary
+    (init_from null) used to enter Table 4 beside the pretrained ones."""
+    from scripts.glue_report import main
+
+    for name, init_from, f1 in (
+        ("pre", "/runs/pre/checkpoints/best/4", 0.9),
+        ("scratch", None, 0.5),
+    ):
+        path = tmp_path / f"{name}.json"
+        summary = {
+            "mechanism": "full",
+            "task": "glue_sst2",
+            "headline": f1,
+            "headline_accuracy": f1,
+            "init_from": init_from,
+        }
+        path.write_text(json.dumps(summary))
+    assert main([str(tmp_path / "pre.json"), str(tmp_path / "scratch.json")]) == 0
+    captured = capsys.readouterr()
+    assert "| Full-attention | 90.0 | – | – | – |" in captured.out.splitlines()
+    assert "scratch.json was not fine-tuned from a pretrained encoder: left out" in captured.err
