@@ -3,7 +3,8 @@
 Local files (``--corpus=path/*.txt``): each file is split into documents at blank lines
 (one or more empty or whitespace-only lines); lines within a document are joined with a
 space. TFDS (``data.tfds_name``, e.g. ``wikipedia/20230601.en``): every example's
-``data.tfds_text_key`` feature is one document, read with ``tfds.data_source`` (no
+``data.tfds_text_key`` feature is one document (its paragraphs are not split, and
+``data.max_documents`` counts examples), read with ``tfds.data_source`` (no
 TensorFlow needed, but the dataset must already be prepared in array_record format or be
 downloadable).
 
@@ -24,11 +25,16 @@ import numpy as np
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
+def join_lines(text: str) -> str:
+    """The non-blank lines of ``text``, stripped and joined with one space."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def split_documents(text: str) -> list[str]:
     """Blank-line-separated blocks of ``text``, whitespace-normalised, empty ones dropped."""
     docs = []
     for block in _BLANK_LINES.split(text.replace("\r\n", "\n")):
-        doc = " ".join(line.strip() for line in block.splitlines() if line.strip())
+        doc = join_lines(block)
         if doc:
             docs.append(doc)
     return docs
@@ -72,7 +78,11 @@ def iter_tfds_corpus(
       split: TFDS split, e.g. ``train``.
       text_key: the feature holding the text (``data.tfds_text_key``).
       data_dir: TFDS data directory (None: the TFDS default).
-      max_documents: stop after this many (0: all).
+      max_documents: read this many examples (0: all).
+
+    Each example is one document, however many paragraphs it holds (its lines joined
+    with a space, as within a local file's document); an example without text gives
+    none.
       download: let TFDS download and prepare missing data (``data.tfds_download``).
     """
     import tensorflow_datasets as tfds
@@ -94,7 +104,9 @@ def iter_tfds_corpus(
             )
         text = example[text_key]
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
-        yield from split_documents(text)
+        doc = join_lines(text)
+        if doc:
+            yield doc
 
 
 def pack_sequences(
