@@ -10,6 +10,8 @@ over the scored (masked) positions only.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +32,8 @@ from glue.tokenizer import (
     special_ids,
     train_tokenizer,
 )
+from sbm_jax.training.checkpoints import find_checkpoint, run_dir_of_checkpoint
+from sbm_jax.training.config_checks import ConfigError
 from sbm_jax.training.task import Batch, Task, classification_loss
 
 _TRAIN_STREAM = 1
@@ -37,7 +41,8 @@ _EVAL_STREAM = 2
 
 
 def load_documents(config: Any) -> list[str]:
-    """Documents from ``data.corpus`` (local glob) or ``data.tfds_name``."""
+    """Documents from ``data.corpus`` (local glob: one per blank-line-separated block)
+    or ``data.tfds_name`` (one per example); at most ``data.max_documents`` (0: all)."""
     data = config.data
     if data.corpus:
         docs = corpus_lib.read_local_corpus(str(data.corpus), flag="config.data.corpus")
@@ -62,14 +67,39 @@ def load_documents(config: Any) -> list[str]:
     return docs
 
 
+def init_run_tokenizer(config: Any) -> str:
+    """The ``tokenizer.json`` beside ``config.init_from``'s run ('' without init_from)."""
+    if not config.get("init_from"):
+        return ""
+    run_dir = run_dir_of_checkpoint(find_checkpoint(str(config.init_from)))
+    return os.path.join(run_dir, TOKENIZER_FILE)
+
+
 def prepare_tokenizer(config: Any, documents: list[str], run_dir: str | None = None) -> Tokenizer:
-    """The run's tokenizer: the one a resumed run saved in ``run_dir``, else
-    ``data.tokenizer``, else one trained on ``documents`` (``model.vocab_size``)."""
+    """The run's tokenizer: the one a resumed run saved in ``run_dir``; else, continuing
+    from ``config.init_from``, that run's (``data.tokenizer`` may name a copy of it, no
+    other: the loaded embeddings and MLM head are indexed by its ids); else
+    ``data.tokenizer``; else one trained on ``documents`` (``model.vocab_size``)."""
     saved = os.path.join(run_dir, TOKENIZER_FILE) if run_dir else ""
     if saved and os.path.isfile(saved):
         return load_tokenizer(saved, flag="the run's tokenizer.json")
+    run_tokenizer = init_run_tokenizer(config)
     if config.data.tokenizer:
-        return load_tokenizer(str(config.data.tokenizer), flag="config.data.tokenizer")
+        path = str(config.data.tokenizer)
+        tokenizer = load_tokenizer(path, flag="config.data.tokenizer")
+        if run_tokenizer:
+            from glue.tasks import check_pretraining_tokenizer  # glue.tasks imports this module
+
+            check_pretraining_tokenizer(tokenizer, path, run_tokenizer)
+        return tokenizer
+    if run_tokenizer:
+        if not os.path.isfile(run_tokenizer):
+            raise ConfigError(
+                f"config.init_from={str(config.init_from)!r}: its run has no {run_tokenizer!r}, "
+                "so the ids of its embeddings are unknown; pass --config.data.tokenizer=<the "
+                "tokenizer.json it was pretrained with>"
+            )
+        return load_tokenizer(run_tokenizer, flag="the tokenizer.json of config.init_from's run")
     return train_tokenizer(
         documents,
         int(config.model.vocab_size),
@@ -116,6 +146,73 @@ def pack_corpus(config: Any, tokenizer: Tokenizer, documents: list[str]) -> MlmD
         vocab_size=tokenizer.get_vocab_size(),
         num_tokens=int(np.sum(packed != special.pad)),
     )
+
+
+#: In the run directory, beside tokenizer.json: the fingerprint of the packed sequences
+#: the run started with, so that a resumed run is refused when its corpus changed.
+DATA_FINGERPRINT_FILE = "mlm_data_fingerprint.json"
+
+
+def data_fingerprint(data: MlmData) -> dict[str, Any]:
+    """SHA-256 and shapes of the packed training and held-out sequences (in order)."""
+    digest = hashlib.sha256()
+    for array in (data.train, data.eval):
+        digest.update(repr((array.dtype.str, array.shape)).encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return {
+        "sha256": digest.hexdigest(),
+        "train_shape": list(data.train.shape),
+        "eval_shape": list(data.eval.shape),
+    }
+
+
+def save_data_fingerprint(data: MlmData, directory: str) -> str:
+    """Write :data:`DATA_FINGERPRINT_FILE` in ``directory``; returns its path."""
+    path = os.path.join(directory, DATA_FINGERPRINT_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data_fingerprint(data), f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def check_data_fingerprint(config: Any, data: MlmData, run_dir: str | None) -> None:
+    """Refuse to resume a run in ``run_dir`` whose packed sequences differ from ``data``.
+
+    The corpus is read again on every session; files changed under the same
+    ``data.corpus`` glob (or another TFDS version) would pack into other sequences and
+    batches, silently. A run made before the fingerprint existed is accepted with a note
+    (it gets the fingerprint of this session's data).
+    """
+    if not run_dir:
+        return
+    path = os.path.join(run_dir, DATA_FINGERPRINT_FILE)
+    if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(run_dir, TOKENIZER_FILE)):
+            print(
+                f"note: {run_dir!r} has no {DATA_FINGERPRINT_FILE} (a run from before it was "
+                "recorded): the corpus cannot be checked against the one the run started with",
+                flush=True,
+            )
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path!r} is unreadable ({e}); the corpus cannot be checked") from None
+    current = data_fingerprint(data)
+    if saved.get("sha256") != current["sha256"]:
+        source = (
+            f"config.data.corpus={str(config.data.corpus)!r}"
+            if config.data.corpus
+            else f"config.data.tfds_name={str(config.data.tfds_name)!r}"
+        )
+        raise ConfigError(
+            f"{source} changed since the run in {run_dir!r} started (its packed sequences "
+            f"differ from {DATA_FINGERPRINT_FILE}: train shape {saved.get('train_shape')} "
+            f"then, {current['train_shape']} now): resuming would train on other data; "
+            "restore the corpus or choose another --output_dir"
+        )
 
 
 def _masking_kwargs(config: Any, data: MlmData) -> dict[str, Any]:
