@@ -34,7 +34,14 @@ import numpy as np
 from glue import corpus as corpus_lib
 from glue.data import EncodedSplit, EpochStream, get_task_spec, load_glue_split, steps_for_epochs
 from glue.metrics import metrics_from_confusion
-from glue.mlm import build_mlm_task_from_data, load_documents, pack_corpus, prepare_tokenizer
+from glue.mlm import (
+    build_mlm_task_from_data,
+    check_data_fingerprint,
+    load_documents,
+    pack_corpus,
+    prepare_tokenizer,
+    save_data_fingerprint,
+)
 from glue.models import transplant_encoder
 from glue.tokenizer import (
     TOKENIZER_FILE,
@@ -142,6 +149,7 @@ def build_mlm_task(config: Any, output_dir: str | None = None) -> Task:
     tokenizer = prepare_tokenizer(config, documents, output_dir)
     config.model.vocab_size = tokenizer.get_vocab_size()  # a small corpus may give fewer
     data = pack_corpus(config, tokenizer, documents)
+    check_data_fingerprint(config, data, output_dir)  # a resumed run: the same corpus?
     derive_schedule(config, len(data.train))
     task = build_mlm_task_from_data(config, data)
     extra = {
@@ -153,6 +161,7 @@ def build_mlm_task(config: Any, output_dir: str | None = None) -> Task:
 
     def save_files(directory: str) -> None:
         save_tokenizer(tokenizer, directory)
+        save_data_fingerprint(data, directory)
 
     def summarize(summary: Mapping[str, Any]) -> dict[str, Any]:
         return {
