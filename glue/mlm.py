@@ -34,6 +34,7 @@ from glue.tokenizer import (
 )
 from sbm_jax.training.checkpoints import find_checkpoint, run_dir_of_checkpoint
 from sbm_jax.training.config_checks import ConfigError
+from sbm_jax.training.run_dir import write_atomically
 from sbm_jax.training.task import Batch, Task, classification_loss
 
 _TRAIN_STREAM = 1
@@ -169,10 +170,7 @@ def data_fingerprint(data: MlmData) -> dict[str, Any]:
 def save_data_fingerprint(data: MlmData, directory: str) -> str:
     """Write :data:`DATA_FINGERPRINT_FILE` in ``directory``; returns its path."""
     path = os.path.join(directory, DATA_FINGERPRINT_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data_fingerprint(data), f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data_fingerprint(data), indent=2, sort_keys=True))
     return path
 
 

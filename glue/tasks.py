@@ -6,7 +6,8 @@
 tokenizer (trained unless ``data.tokenizer``; a resumed run reuses the one it saved) ->
 packed, masked sequences (``glue.mlm``). ``model.vocab_size`` becomes the tokenizer's
 size and ``train.num_steps`` follows ``train.num_epochs``: both are recorded in
-summary.json's config. The run directory gets ``tokenizer.json``.
+summary.json's config. The run directory gets ``tokenizer.json`` and
+``mlm_data_fingerprint.json`` (a resumed run whose corpus packs differently is refused).
 
 ``glue_<task>``: ``config.init_from`` names the pretraining run (or one of its
 checkpoints); the encoder fields of ``model`` are taken from that checkpoint's config,
