@@ -11,7 +11,17 @@ import sys
 
 import pytest
 
+from tests.scripts_testing import forget_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_lra_report_flags():
+    """lra_report's absl flags (--root, --out) must not outlive this module: the sweep's
+    tests import lra_sweep, which defines --root too."""
+    yield
+    forget_script("scripts.lra_report")
 
 
 def _run(root, name: str, seed: int, steps: int = 6, lam: float = 0.0) -> str:

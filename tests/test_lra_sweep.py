@@ -8,6 +8,8 @@ import os
 import pytest
 from absl import flags
 
+from tests.scripts_testing import forget_script
+
 
 def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch, capsys):
     from scripts import lra_sweep
@@ -46,7 +48,7 @@ def test_sweep_paths_live_under_root_from_any_directory(tmp_path, monkeypatch, c
         assert len(calls) == 1
     finally:
         flags.FLAGS.unparse_flags()
-        _forget_script_flags("scripts.lra_sweep")
+        forget_script("scripts.lra_sweep")
 
 
 def _fake_trainer(calls: list, lra_sweep, finish: bool = True):
@@ -117,22 +119,7 @@ def test_a_finished_run_of_another_config_is_not_done_and_a_stopped_one_is_unfin
         assert "1 run(s) unfinished" in captured.err
     finally:
         flags.FLAGS.unparse_flags()
-        _forget_script_flags("scripts.lra_sweep")
-
-
-def _forget_script_flags(module: str) -> None:
-    """Remove the absl flags ``module`` defined (and the module), so that another script
-    imported later in the same test process may define flags of the same names (both
-    lra_sweep and lra_report take --root)."""
-    import sys
-
-    for flag in flags.FLAGS.get_flags_for_module(module):
-        if flag.name in flags.FLAGS:
-            delattr(flags.FLAGS, flag.name)
-    sys.modules.pop(module, None)
-    package, _, name = module.rpartition(".")
-    if package in sys.modules and hasattr(sys.modules[package], name):
-        delattr(sys.modules[package], name)  # so that the next import runs the module again
+        forget_script("scripts.lra_sweep")
 
 
 @pytest.mark.slow  # ~1 min: two sweeps of a real (smoke) ListOps run

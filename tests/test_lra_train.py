@@ -17,6 +17,15 @@ from lra.builders import retrieval as retrieval_builder
 from sbm_jax.attention import available
 from sbm_jax.training import validate_config
 from sbm_jax.training.trainer import train_and_evaluate
+from tests.scripts_testing import forget_script
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_lra_report_flags():
+    """The report tests import scripts.lra_report; its absl flags must not outlive them."""
+    yield
+    forget_script("scripts.lra_report")
+
 
 CONFIGS = {
     "listops": listops,
