@@ -189,8 +189,10 @@ def build_mlm_task(config: Any, output_dir: str | None = None) -> Task:
 # --- fine-tuning --------------------------------------------------------------------
 
 
-def check_finetune_config(name: str, config: Any) -> None:
-    """Config checks of ``glue_<name>`` (no data read); messages name the field."""
+def check_finetune_config(name: str, config: Any, with_checkpoint: bool = True) -> None:
+    """Config checks of ``glue_<name>`` (no data read); messages name the field.
+    ``with_checkpoint``: also read ``init_from``'s metadata for its mechanism (the task's
+    builder leaves that to :func:`apply_checkpoint_architecture`, which reads it anyway)."""
     spec = get_task_spec(name)
     data, errors = config.data, []
     if int(config.model.get("num_classes", 0)) != spec.num_classes:
@@ -218,7 +220,7 @@ def check_finetune_config(name: str, config: Any) -> None:
     if not isinstance(eval_batch, int) or eval_batch < 1:
         errors.append(f"train.eval_batch_size={eval_batch!r} must be a positive integer")
     _raise(errors)
-    if config.get("init_from"):
+    if with_checkpoint and config.get("init_from"):
         # The checkpoint's mechanism, read from its metadata alone (no data, no state), so
         # that --dry_run catches the wrong preset before a job starts, not after.
         try:
@@ -327,7 +329,7 @@ def write_submission(
 
 def build_finetune_task(name: str, config: Any, output_dir: str | None = None) -> Task:
     """The ``glue_<name>`` task (see the module docstring)."""
-    check_finetune_config(name, config)
+    check_finetune_config(name, config, with_checkpoint=False)  # the meta is read below
     spec = get_task_spec(name)
     tokenizer_path = str(config.data.tokenizer or "")
     run_tokenizer = ""  # the pretraining run's tokenizer.json, when fine-tuning from one
