@@ -54,13 +54,7 @@ def dataset_dir(data_dir: str | os.PathLike, task: str, config: str | None = Non
     data_dir = os.path.expanduser(os.fspath(data_dir))  # "~/..." as lra.prepare reads it
     parts = [data_dir, spec.builder_name] + ([config] if config else [])
     base = os.path.join(*parts)
-    versions = []
-    if os.path.isdir(base):
-        for entry in os.listdir(base):
-            pieces = entry.split(".")
-            if len(pieces) == 3 and all(x.isdigit() for x in pieces):
-                if os.path.isfile(os.path.join(base, entry, "dataset_info.json")):
-                    versions.append(tuple(int(x) for x in pieces))
+    versions = _prepared_versions(base)
     if not versions:
         others = prepared_configs(data_dir, task)
         listed = f"; prepared there: {', '.join(others)} (task.data_config)" if others else ""
@@ -76,14 +70,22 @@ def prepared_configs(data_dir: str | os.PathLike, task: str) -> list[str]:
     root = os.path.join(os.path.expanduser(os.fspath(data_dir)), tasks.get_task(task).builder_name)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in sorted(os.listdir(root)):
-        folder = os.path.join(root, name)
-        if os.path.isdir(folder) and any(
-            os.path.isfile(os.path.join(folder, v, "dataset_info.json")) for v in os.listdir(folder)
-        ):
-            found.append(name)
-    return found
+    return [
+        name for name in sorted(os.listdir(root)) if _prepared_versions(os.path.join(root, name))
+    ]
+
+
+def _prepared_versions(folder: str) -> list[tuple[int, int, int]]:
+    """The versions (``<major>.<minor>.<patch>/`` holding ``dataset_info.json``) of one
+    builder config's folder; [] when it is not one."""
+    versions = []
+    if os.path.isdir(folder):
+        for entry in os.listdir(folder):
+            pieces = entry.split(".")
+            if len(pieces) == 3 and all(x.isdigit() for x in pieces):
+                if os.path.isfile(os.path.join(folder, entry, "dataset_info.json")):
+                    versions.append(tuple(int(x) for x in pieces))
+    return versions
 
 
 def prepare_hint(task: str, config: str | None, data_dir: str | os.PathLike) -> str:
