@@ -42,6 +42,7 @@ import ml_collections  # noqa: E402
 
 import sbm_jax.tasks as tasks  # noqa: E402  (registers the "synthetic" task)
 from configs import synthetic  # noqa: E402
+from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.analysis import LRA_SEQ_LENS, flops_table  # noqa: E402
 from sbm_jax.attention import available  # noqa: E402
 from sbm_jax.training import ConfigError, run_training  # noqa: E402
@@ -249,8 +250,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 progress_stream=sys.stderr,
             )
         except ConfigError as e:  # e.g. a run of other settings in <output_dir>/<name>
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            script_usage.fail(e)
         if "stopped_at" in summary:  # SIGTERM / Ctrl-C: the run saved its checkpoint
             print(
                 f"stopped at step {summary['stopped_at']} of {name} ({summary['reason']}); "

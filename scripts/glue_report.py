@@ -50,14 +50,10 @@ PAPER = {
 }
 
 
-def summary_paths(args: Iterable[str]) -> list[str]:
-    """Expand globs and directories (``<dir>/summary.json``) into summary files."""
-    return [path for path, _ in _summary_paths(args)]
-
-
-def _summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
-    # (path, whether a glob found it rather than the user naming it)
-    # A file named twice (a run dir and its summary.json, overlapping globs) counts once.
+def summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
+    """Expand globs and directories (``<dir>/summary.json``) into summary files:
+    ``(path, found by a glob rather than named)``. A file named twice (a run dir and its
+    summary.json, overlapping globs) counts once, as named if it ever was."""
     paths: dict[str, tuple[str, bool]] = {}
     for arg in args:
         for match in sorted(glob.glob(arg)) or [arg]:
@@ -67,8 +63,8 @@ def _summary_paths(args: Iterable[str]) -> list[tuple[str, bool]]:
                 what = "matched no file" if glob.has_magic(arg) else "does not exist"
                 raise FileNotFoundError(f"summary {match!r} {what}")
             key = os.path.realpath(match)
-            globbed = paths[key][1] if key in paths else True  # named once: named
-            paths[key] = (paths.get(key, (match,))[0], globbed and glob.has_magic(arg))
+            first, globbed = paths.get(key, (match, True))
+            paths[key] = (first, globbed and glob.has_magic(arg))
     return list(paths.values())
 
 
@@ -168,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         parser.exit(2, f"{parser.prog}: error: --output={args.output!r}: not a file in a folder\n")
     try:
-        found = _summary_paths(args.summaries)
+        found = summary_paths(args.summaries)
         summaries = load_summaries([p for p, _ in found], [g for _, g in found])
         if not summaries:
             raise ValueError(f"{' '.join(args.summaries)}: no fine-tuning run's summary")

@@ -75,7 +75,8 @@ def load_summaries(root: str, notes: list[str] | None = None) -> list[dict[str, 
     """
     notes = [] if notes is None else notes
     out = []
-    for path in sorted(glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)):
+    paths = sorted(glob.glob(os.path.join(root, "**", "summary.json"), recursive=True))
+    for path in paths:
         try:
             with open(path, encoding="utf-8") as f:
                 summary = json.load(f)
@@ -89,10 +90,7 @@ def load_summaries(root: str, notes: list[str] | None = None) -> list[dict[str, 
             summary["task_short"] = summary["task"][len("lra_") :]
             summary["run_dir"] = os.path.dirname(os.path.abspath(path))
             out.append(summary)
-    finished = {
-        os.path.dirname(os.path.abspath(p))
-        for p in glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
-    }
+    finished = {os.path.dirname(os.path.abspath(p)) for p in paths}
     for config in sorted(glob.glob(os.path.join(root, "**", "config.json"), recursive=True)):
         run = os.path.dirname(os.path.abspath(config))
         if run not in finished:
