@@ -54,10 +54,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def run_cases(name: str, cases: list[list[str]], cwd) -> list[dict]:
-    """Each argv of ``cases`` through scripts/<name>.py's main, in one child process."""
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, ROOT, name, json.dumps(cases)],
+def _python(args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -65,6 +64,11 @@ def run_cases(name: str, cases: list[list[str]], cwd) -> list[dict]:
         env=_env(),
         check=False,
     )
+
+
+def run_cases(name: str, cases: list[list[str]], cwd) -> list[dict]:
+    """Each argv of ``cases`` through scripts/<name>.py's main, in one child process."""
+    proc = _python(["-c", DRIVER, ROOT, name, json.dumps(cases)], cwd)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULTS ") :])
@@ -72,15 +76,7 @@ def run_cases(name: str, cases: list[list[str]], cwd) -> list[dict]:
 
 def run_script(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
     """``python scripts/<name>.py ARGS`` as a user runs it."""
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", f"{name}.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env=_env(),
-        check=False,
-    )
+    return _python([os.path.join(ROOT, "scripts", f"{name}.py"), *args], cwd)
 
 
 def assert_one_line_error(code, stdout: str, stderr: str, needle: str, what) -> None:
