@@ -88,7 +88,9 @@ def run_row(run: str, leave: float, solved: float, smooth: int) -> dict[str, obj
     model = config.get("model", {})
     options = model.get("attention_options", {}) or {}
     steps, acc = metrics["step"], moving_average(metrics["accuracy"], smooth)
-    dens = moving_average(metrics.get("density", [1.0] * len(steps)), smooth)
+    # no density logged (full attention writes empty cells; old files lack the column):
+    # unknown, shown as "-", not as a density of 1 or as "never"
+    dens = moving_average(metrics.get("density", [math.nan] * len(steps)), smooth)
     row: dict[str, object] = {
         "run": os.path.basename(os.path.normpath(run)),
         "attention": model.get("attention", "?"),
@@ -113,9 +115,11 @@ def run_row(run: str, leave: float, solved: float, smooth: int) -> dict[str, obj
     return row
 
 
-def _fmt(value: object, digits: int = 3) -> str:
-    if value is None:
-        return "never"
+def _fmt(value: object, digits: int = 3, missing: str = "never") -> str:
+    """``value`` for the table; ``missing`` where it is None or NaN (a step never
+    reached, a density never logged)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
@@ -132,8 +136,9 @@ def markdown(rows: list[dict[str, object]]) -> str:
         final = "" if r["finished"] else f" (stopped at {r['last_step']}, train MA)"
         lines.append(
             f"| {r['run']} | {r['attention']} | {r['ste']} | {r['qk_init']} | {r['seed']} "
-            f"| {_fmt(r['accuracy'], 4)}{final} | {_fmt(r['density'], 2)} "
-            f"| {_fmt(r['max_density'], 2)} | {_fmt(r['leaves_baseline'])} | {_fmt(r['solved'])} |"
+            f"| {_fmt(r['accuracy'], 4)}{final} | {_fmt(r['density'], 2, '-')} "
+            f"| {_fmt(r['max_density'], 2, '-')} | {_fmt(r['leaves_baseline'])} "
+            f"| {_fmt(r['solved'])} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -117,3 +117,23 @@ def test_metrics_csv_reading_names_the_file_and_what_is_wrong(tmp_path):
             load_metrics_csv(str(path), ("step", "density"))
         assert str(path) in str(info.value)
     assert load_metrics_csv(str(nodens), ("step",)) == {"step": [1.0], "accuracy": [0.5]}
+
+
+def test_synthetic_table_shows_an_unlogged_density_as_unknown(tmp_path):
+    # full attention logs no density (the trainer writes empty cells), and an old file
+    # may lack the column: the table must not claim a density of 1 or "never"
+    table = load_script("synthetic_table")
+    for name, header, cells in (
+        ("empty", "step,loss,accuracy,density", ","),
+        ("none", "step,loss,accuracy", ""),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"seed": 0, "model": {"attention": "full"}}))
+        rows = [header] + [f"{s},0.5,{0.6 + s / 100}{cells}" for s in range(1, 21)]
+        (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+        row = table.run_row(str(run), leave=0.65, solved=0.99, smooth=1)
+        assert row["max_density"] is None
+        assert row["accuracy"] == pytest.approx(0.8)
+        line = "| 0.8000 (stopped at 20, train MA) | - | - | 5 | never |"
+        assert line in table.markdown([row]), table.markdown([row])
