@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import tokenizers
 from tokenizers import Tokenizer
 
 from glue import corpus as corpus_lib
@@ -155,7 +156,9 @@ DATA_FINGERPRINT_FILE = "mlm_data_fingerprint.json"
 
 
 def data_fingerprint(data: MlmData) -> dict[str, Any]:
-    """SHA-256 and shapes of the packed training and held-out sequences (in order)."""
+    """SHA-256 and shapes of the packed training and held-out sequences (in order), and
+    the version of ``tokenizers`` that encoded them (not part of the digest: it names a
+    likely cause when the digest changes)."""
     digest = hashlib.sha256()
     for array in (data.train, data.eval):
         digest.update(repr((array.dtype.str, array.shape)).encode())
@@ -164,6 +167,7 @@ def data_fingerprint(data: MlmData) -> dict[str, Any]:
         "sha256": digest.hexdigest(),
         "train_shape": list(data.train.shape),
         "eval_shape": list(data.eval.shape),
+        "tokenizers_version": tokenizers.__version__,
     }
 
 
@@ -205,6 +209,13 @@ def check_data_fingerprint(config: Any, data: MlmData, run_dir: str | None) -> N
             if config.data.corpus
             else f"config.data.tfds_name={str(config.data.tfds_name)!r}"
         )
+        then = saved.get("tokenizers_version")
+        if then is not None and then != current["tokenizers_version"]:
+            # the same corpus encoded by another tokenizers release packs differently too
+            source = (
+                f"{source} or the tokenizers library (version {then} then, "
+                f"{current['tokenizers_version']} now)"
+            )
         raise ConfigError(
             f"{source} changed since the run in {run_dir!r} started (its packed sequences "
             f"differ from {DATA_FINGERPRINT_FILE}: train shape {saved.get('train_shape')} "

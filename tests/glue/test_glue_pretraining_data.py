@@ -3,12 +3,14 @@ what a TFDS document is, and that a resumed run refuses a corpus that changed.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+import tokenizers
 
 import glue.tasks  # noqa: F401  (registers glue_mlm)
 from glue import mlm
@@ -158,3 +160,19 @@ def test_data_fingerprint_follows_the_tokens():
     data.train[0, 0] = 7
     assert mlm.data_fingerprint(data)["sha256"] != before["sha256"]
     assert before["train_shape"] == [3, 4] and before["eval_shape"] == [1, 4]
+
+
+def test_resume_refusal_names_a_changed_tokenizers_version(tmp_path):
+    # an upgraded tokenizers library may encode the same corpus differently: the refusal
+    # must name it, not only the corpus
+    corpus, out = resume_setup(tmp_path)
+    path = out / mlm.DATA_FINGERPRINT_FILE
+    saved = json.loads(path.read_text())
+    assert saved["tokenizers_version"] == tokenizers.__version__
+    saved["sha256"], saved["tokenizers_version"] = "0" * 64, "0.0.1"
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError) as err:
+        build_task(pretrain_config(corpus), str(out))
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"the tokenizers library (version 0.0.1 then, {tokenizers.__version__} now)" in message
