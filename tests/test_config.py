@@ -130,6 +130,7 @@ def test_other_bad_fields_are_named():
         ("train", "warmup_steps", 10_000, "train.warmup_steps"),
         ("train", "density_lambda", float("nan"), "train.density_lambda"),
         ("train", "num_steps", 0, "train.num_steps"),
+        ("train", "weight_decay_mask", "biases", "train.weight_decay_mask"),
     ]
     for section, name, value, field in cases:
         config = base()

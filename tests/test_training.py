@@ -30,6 +30,7 @@ from sbm_jax.training import (
     learning_rate_schedule,
     make_eval_step,
     make_mesh,
+    make_optimizer,
     make_train_step,
     shard_batch,
     train_and_evaluate,
@@ -72,6 +73,40 @@ def test_schedule_warms_up_and_decays_linearly():
     schedule = learning_rate_schedule(cfg)
     for step, expected in [(0, 0.0), (5, 0.5), (10, 1.0), (60, 0.5), (110, 0.0)]:
         np.testing.assert_allclose(schedule(step), expected, atol=1e-6)
+
+
+def test_weight_decay_mask_spares_biases_and_scales_only_when_asked():
+    # zero gradients: Adam's step is 0, so one update is the decoupled decay alone,
+    # p <- p (1 - lr wd), on the parameters the mask selects
+    params = {"dense": {"kernel": jnp.full((3, 2), 2.0), "bias": jnp.full((2,), 2.0)}}
+    params["norm"] = {"scale": jnp.full((2,), 2.0)}
+    params["clusters"] = jnp.full((4, 3, 2), 2.0)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    expected = {"all": ["kernel", "bias", "scale", "clusters"], "matrices": ["kernel", "clusters"]}
+    for mask, decayed in expected.items():
+        train = ml_collections.ConfigDict(
+            dict(
+                learning_rate=0.5,
+                warmup_steps=0,
+                num_steps=10,
+                end_learning_rate_factor=1.0,
+                weight_decay=0.1,
+                weight_decay_mask=mask,
+                b1=0.9,
+                b2=0.999,
+                grad_clip_norm=0.0,
+            )
+        )
+        tx = make_optimizer(train)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        new = optax.apply_updates(params, updates)
+        for path, value in jax.tree_util.tree_leaves_with_path(new):
+            name = jax.tree_util.keystr(path[-1:]).strip("[]'")
+            want = 2.0 * (1 - 0.5 * 0.1) if name in decayed else 2.0
+            np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=f"{mask}: {name}")
+    del train["weight_decay_mask"]  # absent: every parameter decays, as before the field
+    updates, _ = make_optimizer(train).update(grads, make_optimizer(train).init(params), params)
+    np.testing.assert_allclose(optax.apply_updates(params, updates)["dense"]["bias"], 1.9)
 
 
 def test_collect_attention_stats_averages_layers_heads_and_calls():

@@ -71,6 +71,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.warmup_steps = 0  # derived from warmup_fraction at start-up
     config.train.end_learning_rate_factor = 0.0  # linear decay to 0 (BERT/RoBERTa)
     config.train.weight_decay = 0.01  # AdamW decoupled weight decay (BERT: 0.01)
+    # decay kernels and embeddings, not biases or LayerNorm scales (BERT's optimizer)
+    config.train.weight_decay_mask = "matrices"
     config.train.b1 = 0.9  # Adam beta1
     config.train.b2 = 0.98  # Adam beta2 (RoBERTa: 0.98)
     config.train.grad_clip_norm = 1.0  # global-norm gradient clipping (0: off)

@@ -266,6 +266,12 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
         value = train.get(name)
         if not isinstance(value, (int, float)) or value < 0:
             errors.append(f"train.{name}={value!r} must be a non-negative number")
+    mask = train.get("weight_decay_mask", "all")
+    if mask not in ("all", "matrices"):
+        errors.append(
+            f"train.weight_decay_mask={mask!r} must be 'all' or 'matrices' (only parameters "
+            "of two or more dimensions decay)"
+        )
     # The paper's regulariser (lambda > 0) penalises density; a negative weight rewards
     # it, pushing the graph toward full attention (docs/synthetic.md uses it as an
     # ablation). Any finite number is accepted.

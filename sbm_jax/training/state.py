@@ -46,16 +46,38 @@ def learning_rate_schedule(train: Any, num_steps: int | None = None) -> optax.Sc
     return optax.join_schedules([warm, decay], [warmup])
 
 
+#: ``train.weight_decay_mask`` values: which parameters AdamW's decoupled decay shrinks.
+WEIGHT_DECAY_MASKS = ("all", "matrices")
+
+
+def weight_decay_mask(kind: str) -> Any:
+    """The ``mask`` argument of ``optax.adamw`` for ``train.weight_decay_mask``.
+
+    ``"all"``: every parameter decays (``None``, optax's default). ``"matrices"``: only
+    parameters of two or more dimensions (kernels, embedding tables, the SBM clusters);
+    biases and normalisation scales, all one-dimensional, do not, as in BERT's optimizer
+    (which excludes ``bias`` and ``LayerNorm``).
+    """
+    if kind == "all":
+        return None
+    if kind == "matrices":
+        return lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    raise ValueError(f"train.weight_decay_mask={kind!r} must be one of {WEIGHT_DECAY_MASKS}")
+
+
 def make_optimizer(train: Any) -> optax.GradientTransformation:
     """AdamW with the schedule above and optional global-norm clipping.
 
-    ``train.eps`` (optional, default optax's 1e-8) is Adam's epsilon."""
+    ``train.eps`` (optional, default optax's 1e-8) is Adam's epsilon;
+    ``train.weight_decay_mask`` (optional, default ``"all"``) which parameters decay
+    (:func:`weight_decay_mask`)."""
     adamw = optax.adamw(
         learning_rate_schedule(train),
         b1=float(train.b1),
         b2=float(train.b2),
         eps=float(train.get("eps", 1e-8)),
         weight_decay=float(train.weight_decay),
+        mask=weight_decay_mask(str(train.get("weight_decay_mask", "all"))),
     )
     if float(train.grad_clip_norm) > 0:
         return optax.chain(optax.clip_by_global_norm(float(train.grad_clip_norm)), adamw)

@@ -24,8 +24,9 @@ what it scored). Each concern lives in a module of its own:
 
 Config fields read: ``seed``, ``name``, ``output_dir``, ``init_from``, ``model``,
 ``train.{batch_size, num_steps, learning_rate, warmup_steps, end_learning_rate_factor,
-weight_decay, b1, b2, eps, grad_clip_norm, density_lambda, log_every, eval_every,
-max_per_device_batch, halt_on_nonfinite}``, ``checkpoint.{every_steps, max_to_keep,
+weight_decay, weight_decay_mask, b1, b2, eps, grad_clip_norm, density_lambda, log_every,
+eval_every, max_per_device_batch, halt_on_nonfinite}`` (``weight_decay_mask`` optional,
+default "all"), ``checkpoint.{every_steps, max_to_keep,
 best_metric, best_mode}`` and ``mesh.{data, heads}`` (the optional ones default to
 1000, 2, "accuracy", "max", -1, 1).
 
