@@ -66,6 +66,29 @@ def test_classification_loss_matches_numpy():
     assert float(metrics["weight"]) == 2.0
 
 
+def test_classification_loss_weighs_filler_rows_nothing():
+    # the filler rows that complete a last evaluation batch (example_mask False) must not
+    # count, also for a task whose batches carry no weights (their default is all ones)
+    logits = np.array([[2.0, 0.0], [0.0, 1.0], [5.0, 0.0]], np.float32)
+    targets = np.array([1, 1, 0])  # the filler row (last) would be "right"
+    mask = np.array([True, True, False])
+    loss, metrics = classification_loss(logits, {"targets": targets, "example_mask": mask})
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(loss, -(logp[0, 1] + logp[1, 1]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(metrics["accuracy"], 0.5)
+    assert float(metrics["weight"]) == 2.0
+    # token-level: weights [batch, length] times the row mask
+    tokens = np.stack([logits, logits])  # [2, 3, 2]
+    batch = {
+        "targets": np.stack([targets, targets]),
+        "weights": np.ones((2, 3), np.float32),
+        "example_mask": np.array([True, False]),
+    }
+    _, metrics = classification_loss(tokens, batch)
+    assert float(metrics["weight"]) == 3.0
+    np.testing.assert_allclose(metrics["accuracy"], 2 / 3, rtol=1e-6)
+
+
 def test_schedule_warms_up_and_decays_linearly():
     cfg = ml_collections.ConfigDict(
         dict(learning_rate=1.0, warmup_steps=10, num_steps=110, end_learning_rate_factor=0.0)

@@ -5,7 +5,8 @@ axis is the batch axis (it is sharded over the mesh's ``data`` axis). The defaul
 ``model_inputs`` reads ``inputs`` [batch, length] and ``mask`` [batch, length]; the
 default loss reads ``targets`` and, if present, ``weights``. Batches may carry
 ``example_mask`` bool [batch] (False for the filler rows that complete a last evaluation
-batch); evaluation statistics skip those rows.
+batch); evaluation statistics skip those rows: the default loss weighs them 0, and a
+task's own ``loss_fn`` must do the same.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def classification_loss(logits: Array, batch: Batch) -> tuple[Array, dict[str, A
     Args:
       logits: [..., classes] (e.g. [batch, classes] or [batch, length, classes]).
       batch: ``targets`` int [...] (logits' leading shape) and optional ``weights``
-        [...] (e.g. the padding mask for token-level tasks; default all ones).
+        [...] (e.g. the padding mask for token-level tasks; default all ones) and
+        ``example_mask`` bool [batch] (rows where it is False weigh nothing: the filler
+        rows of a last evaluation batch, whatever ``weights`` says).
 
     Returns:
       (loss, {"loss", "accuracy", "weight"}): means over the weighted positions;
@@ -45,6 +48,10 @@ def classification_loss(logits: Array, batch: Batch) -> tuple[Array, dict[str, A
     weights = batch.get("weights")
     weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     weights = weights.astype(jnp.float32)
+    example = batch.get("example_mask")
+    if example is not None:
+        example = jnp.asarray(example, jnp.float32)
+        weights = weights * example.reshape(example.shape + (1,) * (weights.ndim - 1))
     total = jnp.maximum(jnp.sum(weights), 1e-9)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     loss = jnp.sum(losses * weights) / total
