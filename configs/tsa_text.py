@@ -31,7 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     common.set_run_name(config, "tsa_text", preset)
     model = config.model
     model.architecture = "tsa_classifier"  # the TSA paper's classifier, not the encoder
-    del model["remat"], model["scaled_residual_init"]  # encoder aids: no encoder blocks here
+    # encoder fields the classifier does not read (the config check refuses them)
+    del model["remat"], model["scaled_residual_init"], model["mlp_dim"], model["pooling"]
+    model.num_layers = 1  # one TSA layer (counted as one attention layer in FLOPs)
     model.emb_dim = 16  # embedding size I (a power of two gives the QTT setting, I_n = 2)
     model.num_heads = 2  # TSA heads (TSA paper: H = 2)
     model.head_dim = 8  # per-head key/value width; num_heads * head_dim == emb_dim

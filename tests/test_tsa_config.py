@@ -43,3 +43,25 @@ def test_tsa_classifier_needs_a_classification_task_and_tsa():
         config.model.architecture = "mlp"
     with pytest.raises(ValueError, match="model.architecture"):
         build_model(config.model, "classification")
+
+
+def test_encoder_fields_the_classifier_ignores_are_refused():
+    # the classifier has one TSA layer, average pooling and no MLP blocks: encoder fields
+    # set on it would be ignored silently (and num_layers would multiply its FLOPs)
+    from sbm_jax.training.config_checks import check_model
+
+    config = get_config("smoke")
+    errors: list[str] = []
+    check_model(config.model, errors)
+    assert errors == []
+    for name, value, expected in (
+        ("num_layers", 6, "model.num_layers=6: model.architecture='tsa_classifier' has one"),
+        ("mlp_dim", 999, "model.mlp_dim is not read by model.architecture='tsa_classifier'"),
+        ("pooling", "cls", "model.pooling is not read by"),
+    ):
+        config = get_config("smoke")
+        with config.unlocked():
+            config.model[name] = value
+        errors = []
+        check_model(config.model, errors)
+        assert len(errors) == 1 and errors[0].startswith(expected), errors

@@ -185,8 +185,23 @@ def _check_tied_projections(module: Any, model: Any, errors: list[str]) -> None:
         )
 
 
+#: Encoder fields that the TSA paper's classifier (``model.architecture="tsa_classifier"``,
+#: one TSA layer, average pooling, its own dense layer) does not read: set, they would be
+#: silently ignored.
+TSA_CLASSIFIER_UNUSED = (
+    "mlp_dim",
+    "pooling",
+    "remat",
+    "scaled_residual_init",
+    "final_norm",
+    "query_key_init",
+    "position_embedding",
+)
+
+
 def check_model(model: Any, errors: list[str]) -> None:
     """Append a message per bad ``model.*`` field to ``errors``."""
+    tsa_classifier = model.get("architecture", "encoder") == "tsa_classifier"
     for name in (
         "vocab_size",
         "max_len",
@@ -194,10 +209,22 @@ def check_model(model: Any, errors: list[str]) -> None:
         "num_layers",
         "num_heads",
         "head_dim",
-        "mlp_dim",
         "num_classes",
-    ):
+    ) + (() if tsa_classifier else ("mlp_dim",)):
         _positive_int(errors, model, "model", name)
+    if tsa_classifier:
+        if model.get("num_layers") != 1:
+            errors.append(
+                f"model.num_layers={model.get('num_layers')!r}: "
+                "model.architecture='tsa_classifier' has one TSA layer; set it to 1"
+            )
+        for name in TSA_CLASSIFIER_UNUSED:
+            if name in model:
+                errors.append(
+                    f"model.{name} is not read by model.architecture='tsa_classifier' "
+                    "(one TSA layer, average pooling, then model.classifier_dim units); "
+                    "remove it"
+                )
     if "classifier_dim" in model:
         _positive_int(errors, model, "model", "classifier_dim")
     _rate(errors, model, "model", "dropout")
@@ -218,7 +245,7 @@ def check_model(model: Any, errors: list[str]) -> None:
     ):
         if model.get(name, default) not in choices:
             errors.append(f"model.{name}={model.get(name)!r} must be one of {choices}")
-    if model.get("pooling") not in POOLING_MODES:
+    if not tsa_classifier and model.get("pooling") not in POOLING_MODES:
         errors.append(f"model.pooling={model.get('pooling')!r} must be one of {POOLING_MODES}")
     try:
         model_dtype(str(model.get("dtype", "float32")))
