@@ -204,6 +204,21 @@ def test_stopped_and_resumed_run_gives_the_same_params(tmp_path):
     assert [r["step"] for r in _records(split_dir)] == list(range(1, 9))
 
 
+def test_eval_records_count_examples_and_weight_apart(tmp_path):
+    # a token task weighs positions: "examples" must count sequences, not positions
+    config = tiny_config(num_steps=1)
+    config.task.eval_batches = 2
+    task = build_task(config)
+    batches = list(task.eval_batches())
+    rows = sum(len(b["targets"]) for b in batches)
+    positions = sum(float(np.sum(b["weights"])) for b in batches)
+    assert positions > rows  # a token task: several scored positions per sequence
+    summary = train_and_evaluate(config, task, str(tmp_path / "run"))
+    assert summary["test_examples"] == rows
+    (record,) = _records(str(tmp_path / "run"), "test")
+    assert record["examples"] == rows
+
+
 @pytest.mark.parametrize("lam", [2.0, -0.5])
 def test_density_lambda_adds_to_the_loss_and_its_gradient(lam):
     """A fake mechanism whose density is a parameter: a positive weight must pull it down,

@@ -55,7 +55,9 @@ def evaluate_split(
         returns a confusion matrix.
 
     Returns:
-      ``loss``, ``accuracy`` (weighted means), ``examples`` (total weight), and where
+      ``loss``, ``accuracy`` (weighted means), ``examples`` (real examples, filler rows
+      left out), ``weight`` (the loss's total weight: examples, or the scored positions
+      of a token task), and where
       sown: ``density`` (mean over modules and heads of the per-example mean),
       ``density_per_head`` {module: {"mean": [heads], "std": [heads]}} with mean and
       standard deviation over the split's real examples, ``overflow`` (graphs whose
@@ -73,7 +75,8 @@ def evaluate_split(
     result: dict[str, Any] = {
         "loss": float(totals["loss_sum"]) / weight,
         "accuracy": float(totals["correct_sum"]) / weight,
-        "examples": float(totals["weight"]),
+        "examples": float(totals["examples"]),
+        "weight": float(totals["weight"]),
     }
     if totals["density"]:
         per_head = {}

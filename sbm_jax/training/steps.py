@@ -270,7 +270,8 @@ def make_detailed_eval_step(
 ) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
     """``(state, batch, rng) -> sums``, jitted, no dropout (SBM graph sampling stays on).
 
-    Returns weighted sums ``loss_sum``, ``correct_sum``, ``weight``; per attention
+    Returns weighted sums ``loss_sum``, ``correct_sum``, ``weight`` and the count of
+    real examples ``examples`` (rows; ``weight`` counts positions for token tasks); per attention
     module, density ``[heads]`` sums ``sum``, ``sumsq`` and ``count`` over the real
     examples (``example_mask``; all rows when absent); ``overflow`` (graphs whose draws
     exceeded the largest capacity bucket) per module; and with
@@ -292,6 +293,7 @@ def make_detailed_eval_step(
         }
         leading = next(iter(jax.tree.leaves(batch))).shape[0]
         example = _example_weights(batch, leading)
+        out["examples"] = jnp.sum(example)
         sown = mutables.get(STATS_COLLECTION, {})
         density = {}
         for path, values in sown_per_module(sown, "density").items():
