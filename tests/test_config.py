@@ -131,6 +131,7 @@ def test_other_bad_fields_are_named():
         ("train", "density_lambda", float("nan"), "train.density_lambda"),
         ("train", "num_steps", 0, "train.num_steps"),
         ("train", "weight_decay_mask", "biases", "train.weight_decay_mask"),
+        ("checkpoint", "best_metric", "loss", "checkpoint.best_metric='loss' with"),
     ]
     for section, name, value, field in cases:
         config = base()

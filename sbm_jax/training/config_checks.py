@@ -332,6 +332,12 @@ def check_checkpoint(checkpoint: Any, errors: list[str]) -> None:
     metric = checkpoint.get("best_metric", "accuracy")
     if not isinstance(metric, str) or not metric:
         errors.append(f"checkpoint.best_metric={metric!r} must name a dev metric")
+    elif metric.endswith("loss") and mode == "max":
+        # the best checkpoint would be the one with the highest loss
+        errors.append(
+            f"checkpoint.best_metric={metric!r} with checkpoint.best_mode='max' keeps the "
+            "checkpoint of highest loss; set --config.checkpoint.best_mode=min"
+        )
 
 
 def check_mesh(mesh: Any, model: Any, errors: list[str]) -> None:
