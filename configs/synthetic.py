@@ -117,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task = ml_collections.ConfigDict()
     config.task.name = "synthetic"  # task registry name
     config.task.seq_len = seq_len  # N: sequence length, tokens drawn from {1..N}
-    config.task.eval_batches = 4  # fresh batches scored at the end (no dropout)
+    config.task.eval_batches = 4  # dev batches (and as many test batches), no dropout
 
     config.model = ml_collections.ConfigDict()
     config.model.vocab_size = seq_len + 1  # token ids 0..N (0 unused: no padding here)

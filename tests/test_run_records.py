@@ -675,9 +675,11 @@ def test_overflow_is_counted_warned_once_and_totalled(tmp_path):
     train = records(tmp_path / "run")
     assert [r["overflow"] for r in train] == expected
     evaluated = [r for r in records(tmp_path / "run", None) if r["split"] != "train"]
-    eval_count = 2.0 * float(np.sum(next(iter(task.eval_batches()))["inputs"][:, 0] > 4))
-    assert [r["overflow"] for r in evaluated] == [eval_count] * len(evaluated)
-    assert summary["overflow_total"] == sum(expected) + eval_count * len(evaluated)
+    assert [r["split"] for r in evaluated] == ["dev", "test"]
+    split_batches = (task.eval_batches, task.test_splits["test"])
+    counts = [2.0 * float(np.sum(next(iter(f()))["inputs"][:, 0] > 4)) for f in split_batches]
+    assert [r["overflow"] for r in evaluated] == counts
+    assert summary["overflow_total"] == sum(expected) + sum(counts)
     warnings = [line for line in log.getvalue().splitlines() if line.startswith("warning:")]
     first = next(s for s, count in enumerate(expected, start=1) if count > 0)
     assert len(warnings) == 1, log.getvalue()

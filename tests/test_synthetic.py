@@ -198,3 +198,22 @@ def test_synthetic_table_reads_the_steps_a_run_leaves_the_baseline_and_solves(tm
     assert row["ste"] == "paper" and row["seed"] == 3
     assert row["max_density"] == pytest.approx(0.9)
     assert "stopped at 150" in table.markdown([row])
+
+
+def test_synthetic_test_split_is_not_the_dev_split():
+    # the best checkpoint is chosen on dev: reporting it on the same batches would be
+    # biased upward, so the test batches come from their own stream
+    config = synthetic_config.get_config("full,smoke")
+    config.task.eval_batches = 2
+    task = build_task(config)
+    dev = list(task.eval_batches())
+    (test_fn,) = task.test_splits.values()
+    test = list(test_fn())
+    assert len(dev) == len(test) == 2
+    for d, t in zip(dev, test, strict=True):
+        assert d["inputs"].shape == t["inputs"].shape
+        assert not np.array_equal(d["inputs"], t["inputs"])
+    # the same batches on every call (a resumed run tests on the same data)
+    assert all(
+        np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(test, test_fn(), strict=True)
+    )

@@ -22,6 +22,7 @@ from sbm_jax.training.task import Batch, Task, classification_loss
 
 _TRAIN_STREAM = 0
 _EVAL_STREAM = 1
+_TEST_STREAM = 2  # the test split: as many batches as dev, never used to pick a checkpoint
 
 
 def duplicate_labels(tokens: np.ndarray) -> np.ndarray:
@@ -90,7 +91,7 @@ def accuracy_ceiling(seq_len: int, density: float) -> float:
 
 
 def batch_for_step(seed: int, step: int, batch_size: int, seq_len: int, stream: int = 0) -> Batch:
-    """The batch of training step ``step`` (stream 0) or eval batch ``step`` (stream 1)."""
+    """The batch of training step ``step`` (stream 0), or dev (1) or test (2) batch ``step``."""
     return sample_batch(np.random.default_rng([seed, stream, step]), batch_size, seq_len)
 
 
@@ -116,7 +117,9 @@ def check_config(config: Any) -> None:
 
 @register_task("synthetic")
 def build_task(config: Any) -> Task:
-    """The synthetic task from ``config.task`` (seq_len, eval_batches) and ``config.seed``."""
+    """The synthetic task from ``config.task`` (seq_len, eval_batches) and ``config.seed``:
+    endless training batches, and ``eval_batches`` batches each of dev (checkpoint
+    choice) and test (reported once, at the best checkpoint), from three streams."""
     check_config(config)
     seed = int(config.seed)
     seq_len = int(config.task.seq_len)
@@ -133,10 +136,17 @@ def build_task(config: Any) -> Task:
         for i in range(num_eval):
             yield batch_for_step(seed, i, batch_size, seq_len, _EVAL_STREAM)
 
+    def test_batches() -> Iterator[Batch]:
+        for i in range(num_eval):
+            yield batch_for_step(seed, i, batch_size, seq_len, _TEST_STREAM)
+
     return Task(
         name="synthetic",
         head="token",
         train_batches=train_batches,
         eval_batches=eval_batches if num_eval > 0 else None,
         loss_fn=classification_loss,
+        # its own batches: with train.eval_every > 0 the best checkpoint is picked on dev,
+        # and scoring it on the same batches would report the best of several draws
+        test_splits={"test": test_batches} if num_eval > 0 else None,
     )
