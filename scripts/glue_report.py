@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from configs.glue.common import MECHANISMS
+from sbm_jax import script_usage
 
 TASKS = ("sst2", "qqp", "mnli", "qnli")
 TASK_HEADERS = {"sst2": "SST-2", "qqp": "QQP", "mnli": "MNLI", "qnli": "QNLI"}
@@ -159,10 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paper", action="store_true", help="append the paper's Table 4 rows")
     parser.add_argument("--output", default="", help="also write the table to this file")
     args = parser.parse_args(argv)
-    if args.output and (
-        os.path.isdir(args.output) or not os.path.isdir(os.path.dirname(args.output) or ".")
-    ):
-        parser.exit(2, f"{parser.prog}: error: --output={args.output!r}: not a file in a folder\n")
+    try:
+        if args.output:
+            script_usage.output_file("output", args.output)
+    except script_usage.UsageError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     try:
         found = summary_paths(args.summaries)
         summaries = load_summaries([p for p, _ in found], [g for _, g in found])

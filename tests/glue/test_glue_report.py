@@ -96,9 +96,9 @@ def test_a_summary_named_twice_counts_once_and_output_errors_are_one_line(tmp_pa
     assert main([str(a), str(a / "summary.json"), str(tmp_path / "*")]) == 0
     assert "| Full-attention | 85.0 ± 7.1 (2) | – | – | – |" in capsys.readouterr().out
     err = _report_error(capsys, str(a), f"--output={tmp_path / 'nodir' / 't.md'}")
-    assert "--output=" in err and "not a file in a folder" in err
+    assert "--output=" in err and "does not exist" in err
     err = _report_error(capsys, str(a), f"--output={tmp_path}")
-    assert "not a file in a folder" in err
+    assert "is a directory" in err
 
 
 def test_runs_fine_tuned_from_random_weights_are_left_out(tmp_path, capsys):
