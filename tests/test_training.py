@@ -392,3 +392,41 @@ def test_quick_sbm_pairs_preset_goes_dense_and_solves(tmp_path):
     # Median, not mean: Adam makes one short loss spike per run (seed 0: near step 970,
     # accuracy 0.83 for a few steps; the mean of steps 800-1000 was 0.9915).
     assert np.median([r["accuracy"] for r in late]) > 0.995
+
+
+def test_resume_note_rebuilds_the_old_schedule_from_the_saved_train_section():
+    """GLUE derives warmup_steps from warmup_fraction x num_steps, so extending a run
+    300 -> 600 steps moves the warm-up 18 -> 36 as well. The note compares the rate the
+    checkpoint was trained with (warm-up 18 of 300) against the new one, by hand:
+    step 10: 10/18 = 0.556 -> 10/36 = 0.278 (the old code rebuilt the old schedule with
+    the new warm-up, found no change and said nothing); step 100: 1 - 82/282 = 0.709 ->
+    1 - 64/564 = 0.887 (the old code said 0.758 -> 0.887)."""
+    from sbm_jax.training.trainer import _note_schedule_change
+
+    def train(num_steps, warmup_steps):
+        return dict(
+            num_steps=num_steps,
+            warmup_steps=warmup_steps,
+            learning_rate=1.0,
+            end_learning_rate_factor=0.0,
+        )
+
+    config = ml_collections.ConfigDict({"train": train(600, 36)})
+    meta = {"config": {"train": train(300, 18)}}
+    for step, rates in [(10, "0.556 -> 0.278"), (100, "0.709 -> 0.887")]:
+        notes: list[str] = []
+        _note_schedule_change(meta, config, step, notes.append)
+        assert notes == [
+            "note: train.num_steps 300 -> 600, train.warmup_steps 18 -> 36: the "
+            f"learning-rate schedule is rebuilt for 600 steps (rate at step {step}: {rates})"
+        ], notes
+    # Past both warm-ups at a constant rate nothing changes, and nothing is said.
+    notes = []
+    flat = ml_collections.ConfigDict({"train": {**train(600, 36), "end_learning_rate_factor": 1.0}})
+    _note_schedule_change(
+        {"config": {"train": {**train(300, 18), "end_learning_rate_factor": 1.0}}},
+        flat,
+        40,
+        notes.append,
+    )
+    assert notes == []

@@ -133,23 +133,37 @@ def _compiled_steps(
     return train_step, make_detailed_eval_step(task, mesh), predict
 
 
+#: The ``train`` fields the learning-rate schedule is built from.
+_SCHEDULE_FIELDS = ("num_steps", "warmup_steps", "learning_rate", "end_learning_rate_factor")
+
+
 def _note_schedule_change(
     meta: Mapping[str, Any], config: Any, step: int, log: Callable[[str], None]
 ) -> None:
-    """Say so when a resumed run's ``train.num_steps`` differs from the one its
-    checkpoint was trained for and that changes the learning rate at the resume step
-    (the schedule is rebuilt for the new length; a constant rate does not change)."""
-    saved = (meta.get("config") or {}).get("train", {}).get("num_steps")
-    train = config.train
-    if saved is None:
+    """Say so when a resumed run's learning-rate schedule differs from the one its
+    checkpoint was trained with, at the resume step.
+
+    The old schedule is rebuilt from the saved resolved ``train`` section (the
+    checkpoint meta's ``config``) as a whole: a task may derive fields from
+    ``num_steps`` (GLUE's ``warmup_steps = warmup_fraction x num_steps``), so extending
+    a run can change the warm-up too. A field the saved config lacks takes the current
+    value. A constant rate does not change, and no note is printed."""
+    saved_train = (meta.get("config") or {}).get("train") or {}
+    if saved_train.get("num_steps") is None:
         return
-    old = float(learning_rate_schedule(train, int(saved))(step))
+    train = config.train
+    old_fields = {name: saved_train.get(name, train.get(name)) for name in _SCHEDULE_FIELDS}
+    old = float(learning_rate_schedule(SimpleNamespace(**old_fields))(step))
     new = float(learning_rate_schedule(train)(step))
     if old != new:
+        changed = ", ".join(
+            f"train.{name} {old_fields[name]} -> {train.get(name)}"
+            for name in _SCHEDULE_FIELDS
+            if old_fields[name] != train.get(name)
+        )
         log(
-            f"note: train.num_steps {saved} -> {train.num_steps}: the learning-rate schedule "
-            f"is rebuilt for {train.num_steps} steps (rate at step {step}: {old:.3g} -> "
-            f"{new:.3g})"
+            f"note: {changed}: the learning-rate schedule is rebuilt for "
+            f"{train.num_steps} steps (rate at step {step}: {old:.3g} -> {new:.3g})"
         )
 
 
