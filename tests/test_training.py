@@ -430,3 +430,47 @@ def test_resume_note_rebuilds_the_old_schedule_from_the_saved_train_section():
         notes.append,
     )
     assert notes == []
+
+
+def test_a_non_finite_dev_metric_never_becomes_or_blocks_the_best():
+    """With a NaN first dev metric as the best, every comparison with it was False and
+    no later checkpoint could become the best; a non-finite value is never better and
+    any finite one beats a non-finite best."""
+    from sbm_jax.training.trainer import _better
+
+    nan, inf = float("nan"), float("inf")
+    for mode in ("max", "min"):
+        assert _better(0.5, None, mode) and _better(0.5, nan, mode)
+        assert _better(0.5, inf, mode) and _better(0.5, -inf, mode)
+        assert not _better(nan, None, mode) and not _better(nan, 0.5, mode)
+        assert not _better(inf, 0.5, mode) and not _better(-inf, 0.5, mode)
+        assert not _better(nan, nan, mode)
+    assert _better(0.6, 0.5, "max") and not _better(0.5, 0.6, "max")
+    assert _better(0.5, 0.6, "min") and not _better(0.6, 0.5, "min")
+    assert not _better(0.5, 0.5, "max") and not _better(0.5, 0.5, "min")
+
+
+def test_a_nan_first_dev_metric_does_not_lock_the_best_checkpoint(tmp_path, monkeypatch):
+    """Dev accuracies NaN, 0.3, 0.2 at steps 1, 2, 3: the best is step 2 (the old rule
+    kept step 1's NaN as the best for the rest of the run and tested it)."""
+    from sbm_jax.training import trainer
+
+    config = tiny_config(num_steps=3, eval_every=1)
+    config.task.eval_batches = 1
+    task = build_task(config)
+    dev_values = iter([float("nan"), 0.3, 0.2])
+    real = trainer.evaluate_split
+
+    def evaluate(*args, **kwargs):
+        result = dict(real(*args, **kwargs))
+        if len(result_log) < 3:  # the three dev evaluations; the test split runs as is
+            result["accuracy"] = next(dev_values)
+        result_log.append(result["accuracy"])
+        return result
+
+    result_log: list[float] = []
+    monkeypatch.setattr(trainer, "evaluate_split", evaluate)
+    summary = train_and_evaluate(config, task, str(tmp_path), progress_stream=io.StringIO())
+    assert summary["best_dev_step"] == 2 and summary["best_dev"] == 0.3
+    assert summary["test_step"] == 2
+    assert os.listdir(tmp_path / "checkpoints" / "best") == ["2"]

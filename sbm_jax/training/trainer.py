@@ -168,7 +168,14 @@ def _note_schedule_change(
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
-    if best is None:
+    """Whether dev metric ``value`` beats ``best`` (None: nothing yet) under ``mode``.
+
+    A non-finite value (NaN, inf: a diverged evaluation) is never better, and any finite
+    value beats a non-finite best (a best of NaN, saved by a run before this rule, would
+    otherwise refuse every later checkpoint: every comparison with NaN is False)."""
+    if not math.isfinite(value):
+        return False
+    if best is None or not math.isfinite(best):
         return True
     return value > best if mode == "max" else value < best
 
