@@ -474,3 +474,43 @@ def test_a_nan_first_dev_metric_does_not_lock_the_best_checkpoint(tmp_path, monk
     assert summary["best_dev_step"] == 2 and summary["best_dev"] == 0.3
     assert summary["test_step"] == 2
     assert os.listdir(tmp_path / "checkpoints" / "best") == ["2"]
+
+
+def test_a_run_shrunk_to_its_stopped_step_is_evaluated_there_once(tmp_path):
+    """Stopped at step 2 of 4 (no dev evaluation there), then resumed with
+    train.num_steps=2: the loop runs no step, and the old trainer skipped the final dev
+    evaluation, so the final state was never a candidate for the best. It is now
+    evaluated at step 2, with the numbers of an uninterrupted 2-step run, becomes the
+    best, and a further resume does not evaluate it again."""
+    config = tiny_config(num_steps=4)
+    config.task.eval_batches = 1
+    task = build_task(config)
+    quiet = io.StringIO()
+    shrunk, straight = str(tmp_path / "shrunk"), str(tmp_path / "straight")
+    assert train_and_evaluate(config, task, shrunk, quiet, stop_after=2)["stopped_at"] == 2
+    assert _records(shrunk, "dev") == []
+    two = tiny_config(num_steps=2)
+    two.task.eval_batches = 1
+    summary = train_and_evaluate(two, task, shrunk, quiet)
+    reference = train_and_evaluate(two, task, straight, quiet)
+    (dev,) = _records(shrunk, "dev")
+    (expected,) = _records(straight, "dev")
+    assert dev["step"] == 2
+    for key in ("loss", "accuracy"):
+        assert dev[key] == expected[key], key
+    assert summary["best_dev_step"] == summary["test_step"] == 2
+    assert summary["best_dev"] == reference["best_dev"] == expected["accuracy"]
+    assert os.listdir(os.path.join(shrunk, "checkpoints", "best")) == ["2"]
+    # The evaluation is recorded with the checkpoint: a further resume does not repeat it.
+    again = train_and_evaluate(two, task, shrunk, quiet)
+    assert len(_records(shrunk, "dev")) == 1 and again["test_accuracy"] == dev["accuracy"]
+
+
+def test_the_dev_step_of_a_checkpoint_saved_before_it_was_recorded_is_inferred():
+    from sbm_jax.training.trainer import _dev_step
+
+    saved = {"config": {"train": {"eval_every": 3, "num_steps": 10}}}
+    assert _dev_step({"dev_step": 4, **saved}, 5) == 4  # recorded: taken as is
+    assert [_dev_step(saved, s) for s in (3, 4, 6, 10)] == [3, None, 6, 10]
+    assert _dev_step({"config": {"train": {"eval_every": 0, "num_steps": 10}}}, 6) is None
+    assert _dev_step(saved, None) is None

@@ -17,6 +17,7 @@ restore (orbax coordinates them; each process writes its own shards).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging as logging_std
 import os
 import shutil
@@ -180,6 +181,21 @@ class RunCheckpoints:
     def save_best(self, state: TrainState, meta: dict[str, Any]) -> None:
         """Replace the best checkpoint with ``state``."""
         _save_to(self._best, state, meta)
+
+    def update_latest_meta(self, step: int, meta: dict[str, Any]) -> None:
+        """Replace the ``meta`` of the latest checkpoint of ``step`` (its state stays):
+        bookkeeping done after that state was saved, e.g. a dev evaluation of a resumed
+        run's final state. Process 0 rewrites orbax's JSON file through a temporary file
+        and a rename (a crash leaves the old meta or the new one); no-op when the
+        checkpoint is not there."""
+        path = os.path.join(str(self._latest.directory), str(int(step)), "meta", "metadata")
+        if jax.process_index() != 0 or not os.path.isfile(path):
+            return
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
 
     def latest_step(self) -> int | None:
         """Step of the newest latest checkpoint, or None."""

@@ -167,6 +167,22 @@ def _note_schedule_change(
         )
 
 
+def _dev_step(meta: Mapping[str, Any], step: int | None) -> int | None:
+    """The step of the last dev evaluation recorded with a restored checkpoint of
+    ``step``: its meta's ``dev_step``; for checkpoints saved before it was kept, inferred
+    from the loop's rule under the saved config (evaluate at multiples of
+    ``train.eval_every`` and at ``train.num_steps``)."""
+    if step is None:
+        return None
+    if "dev_step" in meta:
+        return meta["dev_step"]
+    train = (meta.get("config") or {}).get("train") or {}
+    every, total = int(train.get("eval_every") or 0), train.get("num_steps")
+    if (every and step % every == 0) or step == total:
+        return step
+    return None
+
+
 def _better(value: float, best: float | None, mode: str) -> bool:
     """Whether dev metric ``value`` beats ``best`` (None: nothing yet) under ``mode``.
 
@@ -376,6 +392,7 @@ def _train_and_evaluate(
                 "order; use the original batch size or a new output_dir"
             )
         log(f"resuming from step {resumed_from} ({output_dir})")
+        meta["dev_step"] = _dev_step(meta, resumed_from)
         _note_schedule_change(meta, config, resumed_from, log)
     else:
         state = fresh
@@ -516,6 +533,7 @@ def _train_and_evaluate(
         last_dev = evaluation_record("dev", step, result)
         writer.write(last_dev)
         writer.flush()
+        meta["dev_step"] = step
         if best_metric not in result:
             raise ConfigError(
                 f"config.checkpoint.best_metric={best_metric!r} is not a dev metric; "
@@ -586,6 +604,15 @@ def _train_and_evaluate(
             writer.flush()
             plot()
             return {"stopped_at": until, "output_dir": output_dir, "reason": "stop_after"}
+        if task.eval_batches is not None and meta.get("dev_step") != num_steps:
+            # Resumed at exactly train.num_steps (a run stopped there, then shrunk to
+            # it): the loop ran no step, so the final state was never evaluated nor a
+            # candidate for the best. Its latest checkpoint exists: its meta is updated,
+            # so a later resume does not evaluate it again.
+            improved = run_dev(num_steps)
+            checkpoints.update_latest_meta(num_steps, meta_now())
+            if improved:
+                checkpoints.save_best(state, meta_now())
 
         # Test evaluation at the best dev checkpoint (the last state if none).
 
