@@ -514,3 +514,28 @@ def test_the_dev_step_of_a_checkpoint_saved_before_it_was_recorded_is_inferred()
     assert [_dev_step(saved, s) for s in (3, 4, 6, 10)] == [3, None, 6, 10]
     assert _dev_step({"config": {"train": {"eval_every": 0, "num_steps": 10}}}, 6) is None
     assert _dev_step(saved, None) is None
+
+
+def test_dev_settings_without_a_dev_split_get_one_note(tmp_path):
+    """The synthetic task with task.eval_batches=0 has no dev split: train.eval_every
+    and checkpoint.best_* do nothing there, and test_accuracy is None. The run says so
+    once, at the start, naming the fields; with their defaults it says nothing."""
+    config = tiny_config(num_steps=1, eval_every=1)
+    config.checkpoint.best_mode = "min"
+    task = build_task(config)
+    assert task.eval_batches is None and not task.test_splits
+    log = io.StringIO()
+    summary = train_and_evaluate(config, task, str(tmp_path / "a"), io.StringIO(), log_stream=log)
+    lines = log.getvalue().splitlines()
+    note = (
+        "note: the task has no dev split, so train.eval_every=1, checkpoint.best_mode='min' "
+        "are ignored: no dev evaluation and no best checkpoint; there is no test split "
+        "either, so summary.json's test_accuracy is None"
+    )
+    assert lines[1:] == [note], lines
+    assert summary["test_accuracy"] is None and summary["best_dev"] is None
+    log = io.StringIO()
+    train_and_evaluate(
+        tiny_config(num_steps=1), task, str(tmp_path / "b"), io.StringIO(), log_stream=log
+    )
+    assert "note" not in log.getvalue()

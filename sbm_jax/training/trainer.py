@@ -183,6 +183,35 @@ def _dev_step(meta: Mapping[str, Any], step: int | None) -> int | None:
     return None
 
 
+def _no_dev_split_note(task: Task, train_cfg: Any, ckpt_cfg: Any) -> str | None:
+    """The note for a task without a dev split whose config asks for dev evaluations
+    (``train.eval_every > 0``) or sets the best-checkpoint choice
+    (``checkpoint.best_metric`` / ``best_mode`` other than "accuracy" / "max"): those
+    fields do nothing there. None when there is a dev split or nothing is asked."""
+    if task.eval_batches is not None:
+        return None
+    ignored = []
+    eval_every = int(train_cfg.get("eval_every", 0))
+    if eval_every > 0:
+        ignored.append(f"train.eval_every={eval_every}")
+    for field, default in (("best_metric", "accuracy"), ("best_mode", "max")):
+        value = str(ckpt_cfg.get(field, default))
+        if value != default:
+            ignored.append(f"checkpoint.{field}={value!r}")
+    if not ignored:
+        return None
+    test = (
+        "the test split is evaluated at the last state"
+        if task.test_splits
+        else "there is no test split either, so summary.json's test_accuracy is None"
+    )
+    return (
+        f"note: the task has no dev split, so {', '.join(ignored)} "
+        f"{'is' if len(ignored) == 1 else 'are'} ignored: no dev evaluation and no best "
+        f"checkpoint; {test}"
+    )
+
+
 def _better(value: float, best: float | None, mode: str) -> bool:
     """Whether dev metric ``value`` beats ``best`` (None: nothing yet) under ``mode``.
 
@@ -414,6 +443,9 @@ def _train_and_evaluate(
             # change before this run resumes; the summary names the one used.
             meta["init_checkpoint"] = init_checkpoint
     del fresh_host
+    note = _no_dev_split_note(task, train_cfg, ckpt_cfg)
+    if note is not None:
+        log(note)
     # A best checkpoint newer than the restored state is from a session whose later
     # checkpoints were lost: the steps after it run again and choose their own best.
     dropped = checkpoints.drop_best_after(resumed_from or 0)
