@@ -243,3 +243,65 @@ np.savez("{saved}", **{{jax.tree_util.keystr(k): np.asarray(v) for k, v in leave
     assert sorted(there.files) == sorted(jax.tree_util.keystr(k) for k, _ in here)
     for key, value in here:
         np.testing.assert_array_equal(np.asarray(value), there[jax.tree_util.keystr(key)])
+
+
+def test_an_abstract_target_restores_the_saved_state_with_its_shardings(tmp_path):
+    """On 8 devices, a (4, 2) mesh: a state whose parameters (and Adam moments) split
+    over ``heads`` and rows over ``data``, saved, then restored into
+    ``abstract_state(fresh host state, shardings)``: every leaf comes back bit for bit
+    with the sharding asked for (the trainer's restore target since it stopped holding
+    a placed fresh state)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.process_testing import xla_flags
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"""
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from sbm_jax.training.checkpoints import RunCheckpoints, abstract_state
+from sbm_jax.training.state import TrainState
+assert jax.device_count() == 8
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "heads"))
+
+def host(seed):
+    params = {{"w": jax.random.normal(jax.random.PRNGKey(seed), (4, 6)), "b": jnp.zeros(6)}}
+    return TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-2),
+                             rng=jax.random.PRNGKey(7))
+
+def spec(path, leaf):
+    name = jax.tree_util.keystr(path)
+    if getattr(leaf, "ndim", 0) == 2:
+        return NamedSharding(mesh, P("data", "heads"))
+    if getattr(leaf, "ndim", 0) == 1 and "b" in name:
+        return NamedSharding(mesh, P("heads"))
+    return NamedSharding(mesh, P())
+
+state = host(0)
+shardings = jax.tree_util.tree_map_with_path(spec, state)
+placed = jax.device_put(state, shardings)
+placed = placed.apply_gradients(grads=jax.tree.map(jnp.ones_like, placed.params))
+ckpts = RunCheckpoints("{tmp_path}/ckpt")
+ckpts.save_best(placed, {{"best_step": 1}})
+target = abstract_state(state, shardings)  # as the trainer: its host state
+assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target))
+best, meta = ckpts.restore_best(target)
+ckpts.close()
+assert meta == {{"best_step": 1}} and int(best.step) == 1
+split = 0
+for a, b, s in zip(jax.tree.leaves(placed), jax.tree.leaves(best), jax.tree.leaves(shardings),
+                   strict=True):
+    assert b.sharding.is_equivalent_to(s, b.ndim), (b.sharding, s)
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    split += len(b.sharding.device_set) == 8 and b.sharding.spec != P()
+assert split == 6, split  # w and b in params, mu and nu
+print("OK")
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root, XLA_FLAGS=xla_flags(8))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

@@ -539,3 +539,39 @@ def test_dev_settings_without_a_dev_split_get_one_note(tmp_path):
         tiny_config(num_steps=1), task, str(tmp_path / "b"), io.StringIO(), log_stream=log
     )
     assert "note" not in log.getvalue()
+
+
+def test_the_best_restore_target_holds_no_second_state(tmp_path, monkeypatch):
+    """The trainer kept a placed fresh state (parameters and Adam moments) alive for the
+    whole run only as the best checkpoint's restore target; on a resumed run it was
+    never donated, a second copy of the state. The target is now abstract (no device
+    buffers, the state's shardings), and the best state comes back bit for bit: equal
+    to the latest checkpoint of the same step restored into a concrete fresh state."""
+    config = tiny_config(num_steps=2)
+    config.task.eval_batches = 1
+    task = build_task(config)
+    out, quiet = str(tmp_path / "run"), io.StringIO()
+    train_and_evaluate(config, task, out, quiet, stop_after=1)
+    seen = []
+    real = RunCheckpoints.restore_best
+
+    def restore_best(self, target, on_unreadable=None):
+        restored = real(self, target, on_unreadable)
+        seen.append((target, restored))
+        return restored
+
+    monkeypatch.setattr(RunCheckpoints, "restore_best", restore_best)
+    summary = train_and_evaluate(config, task, out, quiet)
+    assert summary["resumed_from"] == 1 and summary["test_step"] == 2
+    ((target, (best, _)),) = seen
+    leaves = jax.tree.leaves(target)
+    assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    for leaf, array in zip(leaves, jax.tree.leaves(best), strict=True):
+        assert array.sharding == leaf.sharding and array.dtype == leaf.dtype
+    latest = _final_state(config, task, out)  # latest/2, into a concrete fresh state
+    assert int(latest.step) == int(best.step) == 2
+    expected = jax.tree.leaves((latest.params, latest.opt_state, latest.rng))
+    got = jax.tree.leaves((best.params, best.opt_state, best.rng))
+    for a, b in zip(expected, got, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,8 +6,9 @@ and ``best/<step>/`` (kept: 1). Each holds the train state's pytree (``step``,
 ``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the trainer's bookkeeping:
 best dev metric so far, the data position ``data_index``, the batch size and the
 resolved config the state was trained with). Restoring takes a target state (a fresh
-one from the same config) so optax's state types and the arrays' shardings come back
-as they were.
+one from the same config, or its ``abstract_state``: shapes, dtypes and shardings
+without device buffers) so optax's state types and the arrays' shardings come back as
+they were.
 
 ``save_snapshot`` / ``restore_snapshot`` keep one state in a directory of its own (the
 trainer's non-finite dumps). In a multi-process job every process calls every save and
@@ -65,6 +66,21 @@ def abstract_tree(tree: Any) -> Any:
         return x
 
     return jax.tree.map(leaf, tree)
+
+
+def abstract_state(state: TrainState, shardings: Any) -> TrainState:
+    """``state`` (host values: a fresh state before it is placed) as a restore target of
+    ``jax.ShapeDtypeStruct`` leaves with ``shardings`` (a pytree shaped like ``state``,
+    e.g. ``sharding.state_sharding``): what a restore needs, without holding a second
+    state (parameters and Adam moments) on the devices."""
+    shapes = jax.eval_shape(lambda tree: tree, state)
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type
+        ),
+        shapes,
+        shardings,
+    )
 
 
 def _save_to(

@@ -61,6 +61,7 @@ from jax.sharding import Mesh
 
 from sbm_jax.training.checkpoints import (
     RunCheckpoints,
+    abstract_state,
     check_same_tree,
     find_checkpoint,
     load_params,
@@ -385,7 +386,10 @@ def _train_and_evaluate(
     model = build_task_model(task, config.model)
     fresh_host = create_train_state(config, model, task, next(source(0)))
     shardings = state_sharding(fresh_host, mesh)  # per-head attention parameters over "heads"
-    fresh = put_global(fresh_host, shardings)
+    # What the checkpoints restore into: shapes, dtypes and shardings only. A placed fresh
+    # state kept as the target would hold a second copy of the parameters and the Adam
+    # moments on the devices for the whole run (until the best restore at the end).
+    target = abstract_state(fresh_host, shardings)
     checkpoints = RunCheckpoints(
         os.path.join(output_dir, "checkpoints"), int(ckpt_cfg.get("max_to_keep", 2))
     )
@@ -397,7 +401,7 @@ def _train_and_evaluate(
             f"({short_error(error)}); moved to {moved_to}, resuming from an older one"
         )
 
-    restored = checkpoints.restore_latest(fresh, on_unreadable=unreadable)
+    restored = checkpoints.restore_latest(target, on_unreadable=unreadable)
     resumed_from = None
     if restored is not None:
         state, meta = restored
@@ -424,7 +428,6 @@ def _train_and_evaluate(
         meta["dev_step"] = _dev_step(meta, resumed_from)
         _note_schedule_change(meta, config, resumed_from, log)
     else:
-        state = fresh
         log(
             f"new run in {output_dir}"
             if not existing
@@ -442,6 +445,8 @@ def _train_and_evaluate(
             # Kept with every checkpoint: init_from names a run whose best checkpoint may
             # change before this run resumes; the summary names the one used.
             meta["init_checkpoint"] = init_checkpoint
+        else:
+            state = put_global(fresh_host, shardings)
     del fresh_host
     note = _no_dev_split_note(task, train_cfg, ckpt_cfg)
     if note is not None:
@@ -654,7 +659,7 @@ def _train_and_evaluate(
                 f"({short_error(error)}); moved to {moved_to}, testing the last state"
             )
 
-        best = checkpoints.restore_best(fresh, on_unreadable=best_unreadable)
+        best = checkpoints.restore_best(target, on_unreadable=best_unreadable)
         test_state, test_step_no = state, int(state.step)
         if best is not None:
             test_state = put_global(best[0], shardings)
