@@ -31,8 +31,13 @@ from sbm_jax.training.config_checks import ConfigError
 CONFIG_FILE = "config.json"
 
 # Fields a resumed run may change: how long it trains, how often it logs, evaluates and
-# saves, where its data lives, and how the batch is laid out over devices (the math of a
-# step does not depend on the mesh or on gradient accumulation).
+# saves, where its data lives, and how the batch is laid out over devices. The mesh does
+# not change a step's math. Gradient accumulation (train.max_per_device_batch, and
+# mesh.data through it) gives the full batch's update for a deterministic model; under
+# dropout or SBM sampling the update is the same in distribution but its random draws
+# differ (micro-batch i draws from fold_in(state.rng, i), training/steps.py), so a run
+# resumed with another number of passes does not repeat an uninterrupted run draw for
+# draw; the trainer says so when it resumes.
 SAFE_TO_CHANGE = (
     "output_dir",
     # Only names a new run's default directory (runs made before the LRA names followed
