@@ -575,3 +575,34 @@ def test_the_best_restore_target_holds_no_second_state(tmp_path, monkeypatch):
     for a, b in zip(expected, got, strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_resume_with_another_number_of_accumulation_passes_says_the_draws_differ(tmp_path):
+    """Batch 8 on one device: max_per_device_batch 0 is one pass, 4 is ceil(8 / 4) = 2
+    micro-batches, each drawing from fold_in(rng, i). The checkpoints record the passes
+    and a resume that changes them says the random draws differ from then on."""
+    from sbm_jax.training.checkpoints import read_checkpoint_meta
+
+    config = tiny_config(num_steps=2)
+    task = build_task(config)
+    out, quiet = str(tmp_path / "run"), io.StringIO()
+    train_and_evaluate(config, task, out, quiet, stop_after=1)
+    log = io.StringIO()
+    train_and_evaluate(
+        tiny_config(num_steps=2, max_per_device_batch=4), task, out, quiet, log_stream=log
+    )
+    notes = [line for line in log.getvalue().splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: gradient accumulation 1 -> 2 passes per step (train.max_per_device_batch, "
+        "mesh.data): each micro-batch draws its dropout masks and SBM graphs from its own "
+        "key, so the random draws from here differ from an uninterrupted run's (the same "
+        "in distribution)"
+    ], notes
+    latest = os.path.join(out, "checkpoints", "latest")
+    passes = [read_checkpoint_meta(os.path.join(latest, s))["accumulation_steps"] for s in "12"]
+    assert passes == [1, 2]
+    log = io.StringIO()  # the same passes again: nothing to say
+    train_and_evaluate(
+        tiny_config(num_steps=3, max_per_device_batch=4), task, out, quiet, log_stream=log
+    )
+    assert "accumulation" not in log.getvalue()

@@ -4,8 +4,9 @@ the parameters of another run's checkpoint (``config.init_from``).
 Layout under ``<output_dir>/checkpoints``: ``latest/<step>/`` (kept: ``max_to_keep``)
 and ``best/<step>/`` (kept: 1). Each holds the train state's pytree (``step``,
 ``params``, ``opt_state``, ``rng``) and a JSON ``meta`` dict (the trainer's bookkeeping:
-best dev metric so far, the data position ``data_index``, the batch size and the
-resolved config the state was trained with). Restoring takes a target state (a fresh
+best dev metric so far and the step of the last dev evaluation, the data position
+``data_index``, the batch size, the number of gradient-accumulation passes per step and
+the resolved config the state was trained with). Restoring takes a target state (a fresh
 one from the same config, or its ``abstract_state``: shapes, dtypes and shardings
 without device buffers) so optax's state types and the arrays' shardings come back as
 they were.

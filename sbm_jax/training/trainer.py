@@ -427,6 +427,14 @@ def _train_and_evaluate(
         log(f"resuming from step {resumed_from} ({output_dir})")
         meta["dev_step"] = _dev_step(meta, resumed_from)
         _note_schedule_change(meta, config, resumed_from, log)
+        saved_accum = meta.get("accumulation_steps")
+        if saved_accum is not None and int(saved_accum) != accum:
+            log(
+                f"note: gradient accumulation {saved_accum} -> {accum} passes per step "
+                "(train.max_per_device_batch, mesh.data): each micro-batch draws its "
+                "dropout masks and SBM graphs from its own key, so the random draws from "
+                "here differ from an uninterrupted run's (the same in distribution)"
+            )
     else:
         log(
             f"new run in {output_dir}"
@@ -518,6 +526,9 @@ def _train_and_evaluate(
             "wall_time_s": wall_before + time.perf_counter() - t0,
             "data_index": int(state.step),
             "batch_size": batch_size,
+            # Passes per step: micro-batch i draws from fold_in(rng, i), so the number
+            # fixes the random draws (dropout, SBM graphs) of every later step.
+            "accumulation_steps": accum,
             "overflow_total": overflow.total,
             "config": resolved,
         }
