@@ -6,6 +6,7 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -44,7 +45,8 @@ def dense_shared_qk_reference(qk, v, mask, causal):
 
 def loop_lsh_reference(qk, v, mask, buckets, num_buckets, chunk_len):
     """Sort by (bucket, position) with padding last, chunk, attend to own + previous chunk
-    (circular), self logit -1e5, padded keys -1e9; rounds combined by softmax of lse."""
+    (circular over the chunks up to the last one holding a real token), self logit -1e5,
+    padded keys -1e9; rounds combined by softmax of lse."""
     qk, v = np.asarray(qk, np.float64), np.asarray(v, np.float64)
     mask, buckets = np.asarray(mask), np.asarray(buckets)
     batch, n, heads, d = qk.shape
@@ -63,8 +65,11 @@ def loop_lsh_reference(qk, v, mask, buckets, num_buckets, chunk_len):
                 order = sorted(real, key=lambda i: (buckets[bi, r, h, i], i)) + pads
                 order += [None] * (nc * length - n)  # filler slots
                 chunks = [order[c * length : (c + 1) * length] for c in range(nc)]
+                # The circle closes at the last chunk holding a real token.
+                last = max((c for c in range(nc) if any(i in real for i in chunks[c])), default=0)
                 for c in range(nc):
-                    view = chunks[c] + (chunks[(c - 1) % nc] if nc > 1 else [])
+                    before = c - 1 if c > 0 else last
+                    view = chunks[c] + (chunks[before] if before != c else [])
                     for i in chunks[c]:
                         if i is None:
                             continue
@@ -152,6 +157,34 @@ def test_padding_never_influences_real_tokens():
         )
     )
     assert_padding_invariant(apply, x, mask, noise)
+
+
+@pytest.mark.parametrize("num_hashes", [1, 2])
+def test_appended_padding_changes_no_real_output(num_hashes):
+    """Real tokens' outputs do not depend on how much padding follows them, even when the
+    padding adds whole chunks (chunk 0 must keep looking back at the last real chunk).
+    Lengths (10, 5) with chunk_len 4: the padded lengths 13 and 16 add a fourth chunk."""
+    n, dim = 10, 8
+    x = jax.random.normal(jax.random.key(20), (2, n, dim))
+    mask = token_mask(n, (10, 5))
+    module = ReformerAttention(
+        num_heads=2, head_dim=4, out_dim=dim, num_hashes=num_hashes, chunk_len=4, num_buckets=4
+    )
+    params = init_params(module, jax.random.key(21), x, mask)
+    apply = jax.jit(lambda x, m: module.apply(params, x, m, deterministic=True))
+    base = np.asarray(apply(x, mask))
+    # The unpadded outputs themselves against the loop reference (float64).
+    qk, v = dense_qkv(params, x, names=("query_key", "value"))
+    rot = jax.random.normal(jax.random.key(0), (num_hashes, 2, 4, 2))  # hash_seed 0
+    buckets = lsh_buckets(qk, rot)
+    ref = dense_out(params, loop_lsh_reference(qk, v, mask, buckets, 4, 4))
+    m = np.asarray(mask)
+    np.testing.assert_allclose(base[m], ref[m], rtol=1e-4, atol=1e-5)
+    for pad in (1, 2, 3, 6, 9):
+        xp = jnp.concatenate([x, jax.random.normal(jax.random.key(pad), (2, pad, dim))], 1)
+        mp = jnp.concatenate([mask, jnp.zeros((2, pad), bool)], 1)
+        out = np.asarray(apply(xp, mp))[:, :n]
+        np.testing.assert_allclose(out[m], base[m], rtol=1e-5, atol=1e-6, err_msg=f"pad {pad}")
 
 
 def test_hash_rng_sample_stream_and_fixed_key():

@@ -6,10 +6,13 @@ Per head and hash round:
    when the caller provides it, else from the fixed key ``hash_seed``);
    ``bucket(x) = argmax([x R, -x R])``. With ``num_buckets=1`` every token is in bucket 0.
    Padded tokens get an extra bucket ``num_buckets`` that sorts after all real ones, so
-   the order (and hence the chunks) of real tokens never depends on padding.
+   the order (and hence the chunks) of real tokens never depends on padding (for a given
+   ``num_buckets``: its default is computed from the padded length n).
 2. Sort tokens by (bucket, position), cut into chunks of ``chunk_len`` and let every
    chunk attend to itself and the previous chunk (circularly, as the reference code's
-   ``look_adjacent``; with a single chunk, only itself).
+   ``look_adjacent``; with a single chunk, only itself). The circle closes at the last
+   chunk that holds a real token, per example: chunk 0 looks back at that chunk, not at
+   trailing chunks of padding, so appending padding changes no real token's output.
 3. Shared QK: queries are the projections ``qk``, keys are ``qk / ||qk||``; logits are
    ``q . k / sqrt(d)``. A token's logit to itself is replaced by -1e5, so it attends to
    itself only when it has no other real key in view (the reference behaviour); padded
@@ -61,14 +64,30 @@ def lsh_buckets(vectors: Array, rotations: Array) -> Array:
     return jnp.argmax(jnp.concatenate([proj, -proj], axis=-1), axis=-1).astype(jnp.int32)
 
 
-def _chunk_with_previous(x: Array, num_chunks: int) -> Array:
-    """x [B, R, H, nc, L, ...] -> [B, R, H, nc, 2L, ...]: each chunk, then its predecessor.
+def _previous_chunks(token_mask: Array, length: int, num_chunks: int) -> tuple[Array, Array]:
+    """Each chunk's predecessor, per example: ``(prev [B, nc] int32, distinct [B, nc] bool)``.
 
-    The predecessor of chunk 0 is the last chunk (circular); with one chunk, x itself.
+    Chunk c > 0 looks back at chunk c - 1. Chunk 0 looks back circularly at the last chunk
+    that holds a real token (real tokens sort first), not at the last chunk of the padded
+    length: chunks that hold only padding are not part of the circle, so appending padding
+    changes no real token's keys. When that last real chunk is chunk 0 itself, chunk 0 has
+    no predecessor (``distinct`` False: its look-back keys are masked out), as with a
+    single chunk.
     """
-    if num_chunks == 1:
+    num_real = jnp.sum(token_mask, axis=-1, dtype=jnp.int32)  # [B]
+    last_real = jnp.maximum(num_real - 1, 0) // length  # [B]
+    chunks = jnp.arange(num_chunks, dtype=jnp.int32)
+    prev = jnp.where(chunks[None, :] == 0, last_real[:, None], chunks[None, :] - 1)
+    return prev, prev != chunks[None, :]
+
+
+def _chunk_with_previous(x: Array, prev: Array | None) -> Array:
+    """x [B, R, H, nc, L, ...] -> [B, R, H, nc, 2L, ...]: each chunk, then its predecessor
+    ``prev [B, nc]`` (:func:`_previous_chunks`); with one chunk (``prev`` None), x itself."""
+    if prev is None:
         return x
-    return jnp.concatenate([x, jnp.roll(x, 1, axis=3)], axis=4)
+    before = jax.vmap(lambda xb, pb: jnp.take(xb, pb, axis=2))(x, prev)
+    return jnp.concatenate([x, before], axis=4)
 
 
 def lsh_attention(
@@ -135,12 +154,19 @@ def lsh_attention(
     def chunk(x: Array) -> Array:  # [B, R, H, total, ...] -> [B, R, H, nc, L, ...]
         return x.reshape(*x.shape[:3], num_chunks, length, *x.shape[4:])
 
+    prev = None
+    if num_chunks > 1:
+        prev, distinct = _previous_chunks(token_mask, length, num_chunks)
     cq = chunk(sq)
-    ck = _chunk_with_previous(chunk(sk), num_chunks)
-    cv = _chunk_with_previous(chunk(sv), num_chunks)
+    ck = _chunk_with_previous(chunk(sk), prev)
+    cv = _chunk_with_previous(chunk(sv), prev)
     q_pos = chunk(slot_pos)
-    k_pos = _chunk_with_previous(chunk(slot_pos), num_chunks)
-    k_real = _chunk_with_previous(chunk(slot_real), num_chunks)
+    k_pos = _chunk_with_previous(chunk(slot_pos), prev)
+    k_real = _chunk_with_previous(chunk(slot_real), prev)
+    if prev is not None:  # a chunk that is its own predecessor sees its keys once
+        own = jnp.ones((*distinct.shape, length), jnp.bool_)
+        seen = jnp.concatenate([own, jnp.broadcast_to(distinct[..., None], own.shape)], -1)
+        k_real = k_real & seen[:, None, None]
 
     logits = jnp.einsum("...qd,...kd->...qk", cq, ck) / jnp.sqrt(jnp.float32(d))
     same = q_pos[..., :, None] == k_pos[..., None, :]
