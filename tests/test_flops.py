@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -123,3 +124,30 @@ def test_flops_table_rows():
     assert rows[0]["relative_to_full"] == 1.0
     assert rows[0]["params"] == 288
     assert rows[1]["attention_flops"] < rows[0]["attention_flops"]
+
+
+def _xla_flops(fn, *args) -> float:
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"])
+
+
+def test_nystromformer_pinv_flops_match_xla_cost_analysis():
+    """One iteration of the iterative pseudo-inverse does 4 m x m products (8 m^3), as
+    XLA's own count of the compiled iterative_pinv says (iterations 1 minus 0; XLA counts
+    a loop body once, so more iterations cannot be read from it)."""
+    from sbm_jax.attention.nystromformer import iterative_pinv
+
+    m = 128
+    a = jax.nn.softmax(jax.random.normal(jax.random.key(0), (m, m)), axis=-1)
+
+    def analytic(iters: int) -> float:
+        options = dict(num_landmarks=m, pinv_iterations=iters, conv_kernel_size=0)
+        return attention_flops("nystromformer", seq_len=m, options=options, **SHAPE)["pinv"]
+
+    xla = [_xla_flops(lambda a, i=i: iterative_pinv(a, i), a) for i in (0, 1)]
+    heads = SHAPE["num_heads"]
+    per_iteration = (analytic(1) - analytic(0)) / heads
+    assert per_iteration == 8 * m**3 + 4 * m**2
+    np.testing.assert_allclose(per_iteration, xla[1] - xla[0], rtol=0.02)
+    np.testing.assert_allclose(analytic(1) / heads, xla[1], rtol=0.02)

@@ -154,7 +154,9 @@ def nystromformer_flops(
     """Projections; per head, ``s = ceil(n / L)``, ``m = ceil(n / s)`` landmarks:
     ``scale 2nd``; ``landmarks 2(nd + md)`` (segment sums and means of Q and K);
     ``scores 2nmd + 2m^2 d + 2mnd`` (three kernels); ``softmax 5(nm + m^2 + mn)``;
-    ``pinv 3m^2 + I (10 m^3 + 4 m^2)`` (I iterations, 5 products each);
+    ``pinv 4m^2 + I (8 m^3 + 4 m^2)`` (start: abs, row and column sums, divide; I
+    iterations of 4 m x m products, ``A V`` once and three products by it or by V, plus 3
+    subtractions and the scale 1/4; the scaled identities are constants);
     ``aggregation 2mnd + 2m^2 d + 2nmd`` (right to left); ``conv 2ndK`` (depthwise skip,
     kernel K, 0 when off)."""
     segment = -(-n // int(options["num_landmarks"]))
@@ -167,7 +169,7 @@ def nystromformer_flops(
         "landmarks": H * 2.0 * (n * d + m * d),
         "scores": H * (2.0 * n * m * d + 2.0 * m * m * d + 2.0 * m * n * d),
         "softmax": H * SOFTMAX * (n * m + m * m + m * n),
-        "pinv": H * (3.0 * m * m + iters * (10.0 * m**3 + 4.0 * m * m)),
+        "pinv": H * (4.0 * m * m + iters * (8.0 * m**3 + 4.0 * m * m)),
         "aggregation": H * (2.0 * m * n * d + 2.0 * m * m * d + 2.0 * n * m * d),
         "conv": H * 2.0 * n * d * conv,
     }
