@@ -346,3 +346,49 @@ def test_tied_query_key_init_is_refused_for_mechanisms_without_both_projections(
             assert "to have 'query' and 'key' projections" in errors[0], errors
             refused.append(name)
     assert refused == ["reformer", "tsa"]
+
+
+# Bad attention options of the baselines, each refused by the start-up check (and so by
+# --dry_run) on one line naming the field, instead of a traceback at model init. The
+# smoke preset has seq_len 16 = model.max_len (default stride 4).
+BAD_BASELINE_OPTIONS = [
+    ("linformer", "proj_len", 0, "proj_len must be an int >= 1, got 0"),
+    ("linformer", "max_len", 8, "max_len=8 is shorter than the input length 16"),
+    ("nystromformer", "num_landmarks", 0, "num_landmarks must be an int >= 1, got 0"),
+    ("nystromformer", "pinv_iterations", -1, "pinv_iterations must be an int >= 0, got -1"),
+    ("nystromformer", "conv_kernel_size", -3, "conv_kernel_size must be an int >= 0, got -3"),
+    ("reformer", "num_buckets", 3, "num_buckets must be 1 or an even number >= 2, got 3"),
+    ("reformer", "num_buckets", 0, "num_buckets must be an int >= 1, got 0"),
+    ("reformer", "num_buckets", 4.0, "num_buckets must be an int >= 1, got 4.0"),
+    ("reformer", "num_hashes", 0, "num_hashes must be an int >= 1, got 0"),
+    ("reformer", "chunk_len", 0, "chunk_len must be an int >= 1, got 0"),
+    ("local", "window", -1, "window must be an int >= 0, got -1"),
+    ("linear", "eps", -1.0, "eps must be a number >= 0.0, got -1.0"),
+    ("sparse_fixed", "c", 100, "c must be in [1, stride=4, the default for length 16], got 100"),
+    ("sparse_fixed", "c", 2.0, "c must be an int >= 1, got 2.0"),
+    ("sparse_strided", "stride", 3.0, "stride must be an int >= 1, got 3.0"),
+    ("performer", "num_features", 0, "num_features must be an int >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("name, option, value, message", BAD_BASELINE_OPTIONS)
+def test_bad_baseline_options_are_refused_on_one_line(name, option, value, message):
+    from sbm_jax.training.config_checks import config_errors
+
+    config = synthetic_config.get_config(f"{name},smoke")
+    config.model.attention_options[option] = value
+    errors = [e for e in config_errors(config) if "attention" in e]
+    assert errors == [errors[0]] and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"model.attention_options.{option}"), errors
+    assert message in errors[0], errors
+
+
+def test_baseline_option_check_uses_the_cls_slot():
+    """With pooling='cls' the attention sees model.max_len + 1 positions."""
+    from sbm_jax.training.config_checks import config_errors
+
+    config = synthetic_config.get_config("linformer,smoke")
+    assert not [e for e in config_errors(config) if "attention" in e]
+    config.model.pooling = "cls"
+    (error,) = [e for e in config_errors(config) if "attention" in e]
+    assert "max_len=16 is shorter than the input length 17" in error

@@ -190,3 +190,33 @@ def test_every_mechanism_names_a_bad_field_or_input_before_tracing(name):
 
     variables = init(num_heads=np.int64(2))
     assert jax.tree.leaves(variables)
+
+
+# A float where an integer option is expected used to run silently (local window 2.5)
+# or fail deep inside jax (a shape or pad width of floats); every baseline's validate()
+# now names the field before anything is traced.
+FLOAT_FOR_INT_OPTIONS = [
+    ("linformer", {"proj_len": 4.0}, "proj_len"),
+    ("local", {"window": 2.5}, "window"),
+    ("nystromformer", {"num_landmarks": 4.0}, "num_landmarks"),
+    ("nystromformer", {"pinv_iterations": 2.0}, "pinv_iterations"),
+    ("performer", {"num_features": 16.0}, "num_features"),
+    ("reformer", {"chunk_len": 4.0}, "chunk_len"),
+    ("reformer", {"num_hashes": 2.0}, "num_hashes"),
+    ("reformer", {"num_buckets": 4.0}, "num_buckets"),
+    ("sparse_strided", {"stride": 3.0}, "stride"),
+    ("sparse_fixed", {"stride": 3, "c": 2.0}, "c"),
+]
+
+
+@pytest.mark.parametrize("name, options, field", FLOAT_FOR_INT_OPTIONS)
+def test_float_for_an_integer_option_names_the_field(name, options, field):
+    x, mask = jnp.ones((1, 10, 8)), jnp.ones((1, 10), bool)
+
+    def init():
+        layer = build_attention(name, options=options, num_heads=2, head_dim=4, out_dim=8)
+        return layer.init(jax.random.PRNGKey(0), x, mask, deterministic=True)
+
+    value = next(iter(v for k, v in options.items() if k == field))
+    with pytest.raises(ValueError, match=rf"attention_options\.{field} must be an int .*{value}"):
+        jax.eval_shape(init)

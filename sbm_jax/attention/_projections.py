@@ -78,6 +78,13 @@ def check_int(field: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
 
 
+def check_real(field: str, value: Any, minimum: float = 0.0) -> None:
+    """Raise a ValueError naming ``field`` unless ``value`` is a real number (int or
+    float; not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= minimum:
+        raise ValueError(f"{field} must be a number >= {minimum}, got {value!r}")
+
+
 def check_fields(module: nn.Module) -> None:
     """The fields every mechanism has: ``num_heads``, ``head_dim`` and ``out_dim`` ints
     >= 1 (``out_dim`` may be None where the module defaults it to the input width) and

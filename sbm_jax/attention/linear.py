@@ -21,7 +21,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_call, compute_dtype, project_out, project_qkv
+from sbm_jax.attention._projections import (
+    check_call,
+    check_real,
+    compute_dtype,
+    project_out,
+    project_qkv,
+)
 from sbm_jax.attention.counting import projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
@@ -90,13 +96,16 @@ class LinearAttention(nn.Module):
     dtype: Any = jnp.float32
     eps: float = 1e-6
 
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too)."""
+        check_real("model.attention_options.eps", self.eps)
+
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         del deterministic  # no randomness: attention weights are never formed
         check_call(self, x, mask)
-        if self.eps < 0:
-            raise ValueError(f"model.attention_options.eps must be >= 0, got {self.eps}")
+        self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         ct = compute_dtype(self.dtype)
         out = linear_attention(q.astype(ct), k.astype(ct), v.astype(ct), mask, self.eps)

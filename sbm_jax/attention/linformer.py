@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
     check_call,
-    check_positive,
+    check_int,
     compute_dtype,
     dropout_weights,
     named,
@@ -107,18 +107,24 @@ class LinformerAttention(nn.Module):
     max_len: int = 4096
     share_kv: bool = False
 
+    def validate(self, seq_len: int | None = None) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too, with
+        the longest sequence the model takes as ``seq_len``): ``proj_len`` and
+        ``max_len`` ints >= 1, and ``max_len`` covering ``seq_len`` when given."""
+        check_int("model.attention_options.proj_len", self.proj_len)
+        check_int("model.attention_options.max_len", self.max_len)
+        if seq_len is not None and seq_len > self.max_len:
+            raise ValueError(
+                f"model.attention_options.max_len={self.max_len} is shorter than the input "
+                f"length {seq_len} the linformer projections must cover; raise max_len"
+            )
+
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         check_call(self, x, mask)
-        check_positive("proj_len", self.proj_len)
-        check_positive("max_len", self.max_len)
         length = x.shape[1]
-        if length > self.max_len:
-            raise ValueError(
-                f"input length {length} exceeds model.attention_options.max_len="
-                f"{self.max_len} of the linformer projections; raise max_len"
-            )
+        self.validate(length)
         # shared by all heads: no head axis (replicated on a heads mesh)
         init = named(nn.initializers.normal(stddev=self.proj_len**-0.5), "length", "proj")
         shape = (self.max_len, self.proj_len)

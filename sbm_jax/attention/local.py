@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_call, head_dense, out_dense
+from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.masked import masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -157,12 +157,15 @@ class LocalAttention(nn.Module):
     window: int = 64
     causal: bool = False
 
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too)."""
+        check_int("model.attention_options.window", self.window, minimum=0)
+
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         check_call(self, x, mask)
-        if self.window < 0:
-            raise ValueError(f"model.attention_options.window must be >= 0, got {self.window}")
+        self.validate()
         q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
         k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)
         v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)

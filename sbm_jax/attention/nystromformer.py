@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from sbm_jax.attention._projections import (
     HEADS,
     check_call,
-    check_positive,
+    check_int,
     compute_dtype,
     dropout_weights,
     masked_softmax,
@@ -198,20 +198,17 @@ class NystromformerAttention(nn.Module):
     pinv_iterations: int = 6
     conv_kernel_size: int = 35
 
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too)."""
+        check_int("model.attention_options.num_landmarks", self.num_landmarks)
+        check_int("model.attention_options.pinv_iterations", self.pinv_iterations, minimum=0)
+        check_int("model.attention_options.conv_kernel_size", self.conv_kernel_size, minimum=0)
+
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         check_call(self, x, mask)
-        check_positive("num_landmarks", self.num_landmarks)
-        if self.pinv_iterations < 0:
-            raise ValueError(
-                f"model.attention_options.pinv_iterations must be >= 0, got {self.pinv_iterations}"
-            )
-        if self.conv_kernel_size < 0:
-            raise ValueError(
-                "model.attention_options.conv_kernel_size must be >= 0 (0 disables), "
-                f"got {self.conv_kernel_size}"
-            )
+        self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         ct = compute_dtype(self.dtype)
         q, k, v = q.astype(ct), k.astype(ct), v.astype(ct)

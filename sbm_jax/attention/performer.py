@@ -43,7 +43,9 @@ import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
     check_call,
+    check_int,
     check_positive,
+    check_real,
     compute_dtype,
     project_out,
     project_qkv,
@@ -219,15 +221,18 @@ class PerformerAttention(nn.Module):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad option (the config check calls it too)."""
-        check_positive("num_features", self.num_features)
+        check_int("model.attention_options.num_features", self.num_features)
         if self.kernel not in KERNELS:
             raise ValueError(
                 f"model.attention_options.kernel must be one of {KERNELS}, got {self.kernel!r}"
             )
-        if self.kernel_epsilon < 0:
-            raise ValueError(
-                f"model.attention_options.kernel_epsilon must be >= 0, got {self.kernel_epsilon}"
-            )
+        check_real("model.attention_options.kernel_epsilon", self.kernel_epsilon)
+        for name in ("redraw", "orthogonal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"model.attention_options.{name} must be True or False, "
+                    f"got {getattr(self, name)!r}"
+                )
 
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:

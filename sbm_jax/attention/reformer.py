@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_call, head_dense, out_dense
+from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import register
 
@@ -251,27 +251,30 @@ class ReformerAttention(nn.Module):
     causal: bool = False
     hash_seed: int = 0
 
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too):
+        ``num_hashes`` and ``chunk_len`` ints >= 1, ``num_buckets`` None, 1 or an even
+        int >= 2."""
+        check_int("model.attention_options.num_hashes", self.num_hashes)
+        check_int("model.attention_options.chunk_len", self.chunk_len)
+        buckets = self.num_buckets
+        if buckets is not None:
+            check_int("model.attention_options.num_buckets", buckets)
+            if buckets != 1 and buckets % 2:
+                raise ValueError(
+                    "model.attention_options.num_buckets must be 1 or an even number >= 2, "
+                    f"got {buckets}"
+                )
+
     @nn.compact
     def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         check_call(self, x, mask)
-        if self.num_hashes < 1:
-            raise ValueError(
-                f"model.attention_options.num_hashes must be >= 1, got {self.num_hashes}"
-            )
-        if self.chunk_len < 1:
-            raise ValueError(
-                f"model.attention_options.chunk_len must be >= 1, got {self.chunk_len}"
-            )
+        self.validate()
         n = x.shape[1]
         num_buckets = self.num_buckets
         if num_buckets is None:
             num_buckets = default_num_buckets(n, self.chunk_len)
-        if num_buckets != 1 and (num_buckets < 2 or num_buckets % 2):
-            raise ValueError(
-                f"model.attention_options.num_buckets must be 1 or an even number >= 2, "
-                f"got {num_buckets}"
-            )
         qk = head_dense(self.num_heads, self.head_dim, self.dtype, "query_key")(x)
         v = head_dense(self.num_heads, self.head_dim, self.dtype, "value")(x)
         batch = x.shape[0]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbm_jax.attention._projections import check_call, head_dense, out_dense
+from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import edge_flops, projection_flops, projection_params
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -230,11 +230,17 @@ class _PatternAttention(nn.Module):
 
     def __post_init__(self) -> None:
         # Options known at construction fail here, before anything is traced.
-        if self.stride is not None and self.stride < 1:
-            raise ValueError(f"model.attention_options.stride must be >= 1, got {self.stride}")
+        self.validate()
+        super().__post_init__()
+
+    def validate(self, seq_len: int | None = None) -> None:
+        """Raise ValueError naming the bad option (the config check calls it too, with
+        the longest sequence the model takes as ``seq_len``): ``stride`` None or an int
+        >= 1, ``impl`` one of IMPLS."""
+        if self.stride is not None:
+            check_int("model.attention_options.stride", self.stride)
         if self.impl not in IMPLS:
             raise ValueError(f"model.attention_options.impl={self.impl!r} must be one of {IMPLS}")
-        super().__post_init__()
 
     def resolved_stride(self, n: int) -> int:
         """The stride l for input length n (``stride`` or ``round(sqrt(n))``)."""
@@ -256,6 +262,7 @@ class _PatternAttention(nn.Module):
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         check_call(self, x, mask)
         n = x.shape[1]
+        self.validate(n)
         options = self.blocked_options(n)  # validates the options before any tracing
         q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
         k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)
@@ -343,14 +350,22 @@ class SparseFixedAttention(_PatternAttention):
     c: int | None = None
     distinct_summaries: bool = False
 
-    def __post_init__(self) -> None:
-        if self.c is not None and self.c < 1:
-            raise ValueError(f"model.attention_options.c must be >= 1, got {self.c}")
-        if self.c is not None and self.stride is not None and self.c > self.stride:
+    def validate(self, seq_len: int | None = None) -> None:
+        """As the base class, and ``c`` None or an int in [1, l]: l is ``stride``, or
+        the default ``round(sqrt(seq_len))`` when ``stride`` is None and ``seq_len``
+        (the longest input) is given (a shorter input has a shorter default stride)."""
+        super().validate(seq_len)
+        if self.c is None:
+            return
+        check_int("model.attention_options.c", self.c)
+        stride = self.stride
+        if stride is None and seq_len is not None:
+            stride = default_stride(seq_len)
+        if stride is not None and self.c > stride:
+            where = "" if self.stride is not None else f", the default for length {seq_len}"
             raise ValueError(
-                f"model.attention_options.c must be in [1, stride={self.stride}], got {self.c}"
+                f"model.attention_options.c must be in [1, stride={stride}{where}], got {self.c}"
             )
-        super().__post_init__()
 
     def resolved_c(self, stride: int) -> int:
         """Summary cells per block for stride l (``c`` or :func:`default_summary_cells`)."""

@@ -23,6 +23,7 @@ Decisions:
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -87,6 +88,16 @@ def _type_matches(value: Any, default: Any) -> bool:
     return True
 
 
+def _longest_attention_input(model: Any) -> int | None:
+    """The longest sequence the attention layers see: ``model.max_len`` (the longest
+    input the encoder takes), plus the CLS slot with ``pooling="cls"``; None when
+    ``model.max_len`` is not a positive int (reported by check_model)."""
+    max_len = model.get("max_len")
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        return None
+    return max_len + (1 if model.get("pooling") == "cls" else 0)
+
+
 def check_attention_options(model: Any, errors: list[str]) -> None:
     """Append a message per bad ``model.attention`` / ``model.attention_options.*``."""
     try:
@@ -131,7 +142,9 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     try:
         # Building the module runs the checks a mechanism makes at construction (the
-        # sparse patterns' impl, stride and c); validate() those it keeps there (SBM, TSA).
+        # sparse patterns' impl, stride and c); validate() those it keeps there, given
+        # the longest input length where it takes one (Linformer's max_len, the fixed
+        # pattern's c against the default stride).
         module = cls(
             num_heads=model.get("num_heads"),
             head_dim=model.get("head_dim"),
@@ -141,7 +154,10 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
         )
         validate = getattr(module, "validate", None)
         if validate is not None:
-            validate()
+            if "seq_len" in inspect.signature(validate).parameters:
+                validate(seq_len=_longest_attention_input(model))
+            else:
+                validate()
         if model.get("query_key_init") == "tied":
             _check_tied_projections(module, model, errors)
     except (TypeError, ValueError) as e:
