@@ -84,7 +84,8 @@ class FullAttention(nn.Module):
             out = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
         else:
             scale = 1.0 / jnp.sqrt(jnp.asarray(self.head_dim, jnp.float32))
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            logits = logits * scale  # float32 scores, not bf16 ones cast up
             logits = jnp.where(key_mask, logits, jnp.finfo(jnp.float32).min)
             weights = jax.nn.softmax(logits, axis=-1)
             keep_prob = 1.0 - self.attention_dropout

@@ -27,8 +27,9 @@ keys A already covers removed from the B part (``column``: ``|x - y| <= 1``, cau
 counted once. Parts are merged by one softmax over all their keys: a common
 maximum per query, the sums of exponentials and the weighted values added across parts.
 Padded and out-of-range keys are removed; a query that keeps no key outputs exactly 0
-(the convention of ``masked.py``). Scores are computed in the input dtype and the softmax
-in float32, as in ``masked.py``.
+(the convention of ``masked.py``). Scores are accumulated and kept in float32 whatever the
+input dtype (bf16 scores would double the error of bf16 attention) and the softmax is
+float32, as in ``masked.py``; each part's weighted values are in the input dtype.
 
 Every part goes through its query groups in chunks of at most ``chunk_elements``
 scores (``lax.map``, at least one group per chunk; one chunk when the part is small),
@@ -93,7 +94,9 @@ class _Stats(NamedTuple):
 
 
 def _scores(q: Array, k: Array, spec: str, scale: Array) -> Array:
-    return jnp.einsum(spec, q, k).astype(jnp.float32) * scale
+    """Scores in float32 whatever the input dtype (never rounded to bf16 before the
+    softmax)."""
+    return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
 
 
 def _stats(part: _Part, query_real: Array, dropout_rate: float, rng: Array | None) -> _Stats:
