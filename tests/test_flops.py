@@ -143,7 +143,8 @@ def test_nystromformer_pinv_flops_match_xla_cost_analysis():
 
     def analytic(iters: int) -> float:
         options = dict(num_landmarks=m, pinv_iterations=iters, conv_kernel_size=0)
-        return attention_flops("nystromformer", seq_len=m, options=options, **SHAPE)["pinv"]
+        # n = 2m: segments of two tokens, m landmarks (n <= m would be exact attention).
+        return attention_flops("nystromformer", seq_len=2 * m, options=options, **SHAPE)["pinv"]
 
     xla = [_xla_flops(lambda a, i=i: iterative_pinv(a, i), a) for i in (0, 1)]
     heads = SHAPE["num_heads"]
@@ -151,3 +152,13 @@ def test_nystromformer_pinv_flops_match_xla_cost_analysis():
     assert per_iteration == 8 * m**3 + 4 * m**2
     np.testing.assert_allclose(per_iteration, xla[1] - xla[0], rtol=0.02)
     np.testing.assert_allclose(analytic(1) / heads, xla[1], rtol=0.02)
+
+
+def test_nystromformer_flops_without_fewer_landmarks_are_exact_attention():
+    """n <= num_landmarks runs exact softmax attention: full attention's closed form
+    (test_full_flops_match_the_closed_form), plus the scaling of K as well as Q."""
+    n, H, d = 6, 2, 4
+    options = dict(num_landmarks=n, pinv_iterations=6, conv_kernel_size=0)
+    nys = attention_flops("nystromformer", seq_len=n, options=options, **SHAPE)
+    assert nys["pinv"] == nys["landmarks"] == 0
+    assert nys["total"] == 4632 + H * n * d

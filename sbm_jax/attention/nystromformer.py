@@ -19,8 +19,10 @@ without real tokens gives an empty landmark: its columns of the first two kernel
 masked out and its row of the middle kernel is replaced by the identity row, so it
 drops out of the product exactly. Padded keys are masked out of the third kernel and
 padded values are zeroed before the convolution, so padding never reaches a real query.
-With ``num_landmarks >= n`` every segment holds one token and the result is exact
-softmax attention (once the pseudo-inverse has converged).
+With ``num_landmarks >= n`` every segment would hold one token and the approximation
+would equal softmax attention only once the pseudo-inverse converged; softmax attention
+(over the real keys) is then computed exactly instead, as the reference implementation
+does when the landmarks equal the sequence length (n is the padded length).
 
 ``attention_dropout`` is applied to the query-to-landmark weights softmax(Q K~^T).
 """
@@ -134,6 +136,15 @@ def nystrom_attention(
     q = jnp.swapaxes(jnp.where(keep, q * scale, 0.0), 1, 2)  # [B, H, n, d]
     k = jnp.swapaxes(jnp.where(keep, k * scale, 0.0), 1, 2)
     v = jnp.swapaxes(jnp.where(keep, v, 0.0), 1, 2)
+    if length <= num_landmarks:
+        # Every token is its own landmark: the approximation would be exact only once the
+        # pseudo-inverse converged (rel. error 1e-2 after 6 iterations at n = 128), so
+        # compute softmax attention exactly, as the reference code does when the
+        # landmarks equal the sequence length. The weights are the query-to-landmark ones.
+        weights = masked_softmax(q @ jnp.swapaxes(k, -1, -2), mask[:, None, None, :])
+        if landmark_weights_fn is not None:
+            weights = landmark_weights_fn(weights)
+        return jnp.swapaxes(weights @ v, 1, 2)
     q_land, land_mask = segment_landmarks(q, mask, m)  # [B, H, m, d], [B, m]
     k_land, _ = segment_landmarks(k, mask, m)
     col_mask = land_mask[:, None, None, :]  # [B, 1, 1, m]
@@ -158,11 +169,24 @@ def nystromformer_flops(
     iterations of 4 m x m products, ``A V`` once and three products by it or by V, plus 3
     subtractions and the scale 1/4; the scaled identities are constants);
     ``aggregation 2mnd + 2m^2 d + 2nmd`` (right to left); ``conv 2ndK`` (depthwise skip,
-    kernel K, 0 when off)."""
+    kernel K, 0 when off). When ``n <= L`` the layer computes exact softmax attention:
+    ``scale 2nd``; ``scores 2n^2 d``; ``softmax 5n^2``; ``aggregation 2n^2 d``; ``conv``
+    (no landmarks, no pseudo-inverse)."""
     segment = -(-n // int(options["num_landmarks"]))
     m = -(-n // segment)
     iters = int(options["pinv_iterations"])
     conv = int(options["conv_kernel_size"])
+    if n <= int(options["num_landmarks"]):  # exact softmax attention
+        return {
+            **projection_flops(n, D, H, d),
+            "scale": H * 2.0 * n * d,
+            "landmarks": 0.0,
+            "scores": H * 2.0 * n * n * d,
+            "softmax": H * SOFTMAX * n * n,
+            "pinv": 0.0,
+            "aggregation": H * 2.0 * n * n * d,
+            "conv": H * 2.0 * n * d * conv,
+        }
     return {
         **projection_flops(n, D, H, d),
         "scale": H * 2.0 * n * d,
