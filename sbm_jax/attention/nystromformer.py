@@ -18,7 +18,12 @@ made), and each landmark is the mean of the *real* tokens of its segment. A segm
 without real tokens gives an empty landmark: its columns of the first two kernels are
 masked out and its row of the middle kernel is replaced by the identity row, so it
 drops out of the product exactly. Padded keys are masked out of the third kernel and
-padded values are zeroed before the convolution, so padding never reaches a real query.
+padded values are zeroed before the convolution, so the *content* of padded positions
+never reaches a real query. The *amount* of padding does: the segments are cut from the
+padded length n, so appending padding changes ``s`` and moves the segment boundaries,
+hence the landmarks and every real token's output (and past ``n > num_landmarks`` it
+switches from exact attention to the approximation). Outputs are invariant to padded
+content, not to the padded length.
 With ``num_landmarks >= n`` every segment would hold one token and the approximation
 would equal softmax attention only once the pseudo-inverse converged; softmax attention
 (over the real keys) is then computed exactly instead, as the reference implementation

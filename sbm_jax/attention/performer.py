@@ -22,7 +22,11 @@ Gaussian rows; one ``W`` is shared by all heads. With ``redraw=True`` and a ``sa
 rng stream present, a fresh ``W`` is drawn on every call. Otherwise ``W`` is fixed: drawn
 from ``feature_seed`` folded with the module's path, so every layer has its own fixed
 features that need no storage, are never touched by the optimiser (or weight decay),
-and are the same at training, evaluation and after a checkpoint restore. The ``W`` used
+and are the same at training, evaluation and after a checkpoint restore. Note that the
+trainer's evaluation step passes a ``sample`` stream too (``training/steps.py``, one key
+per evaluation batch), so with ``redraw=True`` every evaluation batch gets its own fresh
+``W``: evaluation metrics are then averages over feature draws, not the metrics of one
+fixed model (``redraw=False`` evaluates with the fixed features). The ``W`` used
 in a call is sown to the ``intermediates`` collection as ``features`` when that
 collection is mutable.
 
