@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 from configs import synthetic as synthetic_config
@@ -392,3 +393,53 @@ def test_baseline_option_check_uses_the_cls_slot():
     config.model.pooling = "cls"
     (error,) = [e for e in config_errors(config) if "attention" in e]
     assert "max_len=16 is shorter than the input length 17" in error
+
+
+def test_sbm_options_no_path_fits_are_refused_before_anything_is_built():
+    # The budgets are checked against every batch the run traces: the training
+    # (micro-)batch and the evaluation batch, whose size may differ.
+    from configs.lra import listops
+    from sbm_jax.training.config_checks import config_errors
+
+    config = synthetic_config.get_config("sbm,smoke")  # 16 x 16, 2 heads: 4096 pairs
+    with config.unlocked():
+        config.model.attention_options.max_dense_elements = 1
+        config.model.attention_options.max_edge_slots = 1
+    (message,) = config_errors(config, head="token", device_count=1)
+    assert message.startswith("model.attention_options for the training batch of 16 x 16")
+    assert "max_dense_elements >= batch*heads*n*m = 4096" in message
+    # micro-batches of 4: 1024 pairs fit a budget the whole batch exceeds
+    with config.unlocked():
+        config.model.attention_options.max_dense_elements = 1024
+        config.train.max_per_device_batch = 4
+    assert config_errors(config, head="token", device_count=1) == []
+    config = listops.get_config("sbm,smoke")
+    length = config.model.max_len + (config.model.pooling == "cls")
+    with config.unlocked():
+        config.task.eval_batch_size = 2 * config.train.batch_size
+        config.model.attention_options.impl = "dense"
+        config.model.attention_options.max_dense_elements = config.train.batch_size * 2 * length**2
+    (message,) = config_errors(config, head="classification", device_count=1)
+    assert "for the evaluation batch (task.eval_batch_size)" in message
+
+
+def test_parameters_are_initialised_on_one_row_whatever_the_batch():
+    # the SBM budgets are set for the micro-batch; tracing init on the whole global
+    # batch failed with them, and the parameters do not depend on the batch
+    import numpy as np
+
+    from sbm_jax.models import build_model
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training import create_train_state
+
+    config = synthetic_config.get_config("sbm,smoke")
+    with config.unlocked():
+        config.model.attention_options.impl = "dense"
+        config.model.attention_options.max_dense_elements = 2 * 16 * 16  # one sequence
+    task = build_task(config)
+    batch = next(task.train_batches(0))
+    model = build_model(config.model, task.head)
+    state = create_train_state(config, model, task, batch)
+    one = create_train_state(config, model, task, {k: v[:1] for k, v in batch.items()})
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -563,7 +563,7 @@ def test_options_whose_default_is_none_are_set_from_the_command_line(tmp_path):
     None (a rule computes them): the command line still sets them, with their type."""
     lra = os.path.join(os.path.dirname(SYNTHETIC), "lra", "listops.py")
     for preset, option, value, shown in (
-        ("sparse_fixed,smoke", "c", "16", "c: 16"),
+        ("sparse_fixed,smoke", "c", "4", "c: 4"),  # <= the default stride at length 32
         ("sparse_strided,smoke", "stride", "8", "stride: 8"),
         ("reformer,smoke", "num_buckets", "4", "num_buckets: 4"),
         ("sbm,smoke", "edge_cost", "3", "edge_cost: 3.0"),  # a float option given an int
@@ -580,7 +580,7 @@ def test_options_whose_default_is_none_are_set_from_the_command_line(tmp_path):
     tsa = os.path.join(os.path.dirname(SYNTHETIC), "tsa_text.py")
     for spec, option, message in (
         (f"{lra}:sparse_strided,smoke", "impl=blockd", "impl='blockd' must be one of"),
-        (f"{lra}:sparse_fixed,smoke", "c=0", "attention_options.c must be >= 1, got 0"),
+        (f"{lra}:sparse_fixed,smoke", "c=0", "attention_options.c must be an int >= 1, got 0"),
         (f"{lra}:performer,smoke", "kernel=relux", "kernel must be one of ('relu', 'softmax')"),
         (f"{tsa}:smoke", "damping=1.5", "attention_options.damping=1.5 must lie in (0, 1)"),
         (f"{tsa}:smoke", "projection=ttt", "attention_options.projection='ttt' must be one"),

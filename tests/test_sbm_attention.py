@@ -600,6 +600,43 @@ def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
     assert caps == (32768**2 // 64,) and dense
 
 
+def test_default_budgets_keep_the_dense_path_for_paper_presets():
+    # LRA Text at paper scale traces 128 x 2 heads x 3072^2 pairs (2.4e9). The dense path
+    # is streamed (O(n d) memory per graph), so the module's default must not rule it out:
+    # with only the 1/64 bucket under max_edge_slots, a graph at its initial ~25% density
+    # would otherwise lose ~95% of its draws.
+    from sbm_jax.attention.sbm import plan_paths
+
+    defaults = SBMAttention(num_heads=2, head_dim=32)
+    text = dict(batch=128, heads=2, length=3072, capacity_buckets=defaults.capacity_buckets)
+    limits = dict(
+        max_dense_elements=defaults.max_dense_elements, max_edge_slots=defaults.max_edge_slots
+    )
+    assert 128 * 2 * 3072**2 > 2**31  # above the old default
+    caps, dense = plan_paths(**text, impl="sparse", **limits)
+    assert dense and caps == (3072**2 // 64,)  # the larger buckets are over max_edge_slots
+
+
+def test_a_window_wider_than_the_sequence_forces_every_pair_once():
+    # A window of 2**18 on n = 12 asked for 2**18 + 1 forced slots per row; the forced
+    # edges are every real pair either way, so it must cost what a full window costs.
+    n = 12
+    q_mask = jnp.arange(n) < 9
+    wide = forced_edge_keys(q_mask, q_mask, self_loops=False, window=2**18)
+    full = forced_edge_keys(q_mask, q_mask, self_loops=False, window=2 * n)
+    assert wide.shape == full.shape == (n * (2 * (n - 1) + 1),)
+    np.testing.assert_array_equal(np.sort(wide), np.sort(full))
+    real = np.flatnonzero(np.outer(q_mask, q_mask).reshape(-1))
+    np.testing.assert_array_equal(np.unique(wide[wide < n * n]), real)
+
+
+def test_capacity_buckets_of_the_wrong_type_name_the_field():
+    for buckets in ("(0.1,nan)", (0.1, "x")):
+        mod = _module(capacity_buckets=buckets)
+        with pytest.raises(ValueError, match="capacity_buckets must be a tuple of numbers|numbers"):
+            mod.validate()
+
+
 def test_overflow_is_sown_for_the_trainer_when_the_dense_path_is_ruled_out():
     # The trainer reads variables["attention_stats"]["overflow"] ([batch, heads] bool per
     # call). With the dense path ruled out (max_dense_elements=0), one run with a bucket

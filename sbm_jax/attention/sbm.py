@@ -61,6 +61,14 @@ from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, with_absent_pairs
 from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
 
 IMPLS = ("auto", "sparse", "dense")
+
+#: ``max_dense_elements``' default: no limit. The dense path is streamed over query
+#: blocks (O(n d) memory per graph, whatever ``batch*heads*n*m``), so only its O(n m)
+#: compute grows; ruling it out loses the draws above the largest bucket. (The old
+#: default, 2**31, came from when the dense path held ``[B, H, n, m]`` arrays, and cut
+#: the dense path from paper presets such as LRA Text, 128 x 2 x 3072^2 pairs, which
+#: then dropped most of their edges.)
+NO_DENSE_LIMIT = 2**62
 #: Edge kernels the sparse branches can use (``SBMAttention.kernel``).
 EDGE_KERNELS = ("segment", *KERNELS)
 
@@ -80,10 +88,14 @@ def choose_bucket(
     return jnp.where(force_dense, len(capacities), idx)
 
 
-def _forced_half_width(self_loops: bool, window: int) -> int | None:
-    """Forced edges are the real pairs with ``|i - j| <= half``; None when there are none."""
+def _forced_half_width(self_loops: bool, window: int, length: int) -> int | None:
+    """Forced edges are the real pairs with ``|i - j| <= half``; None when there are none.
+
+    A window wider than the sequence forces every pair: ``half`` is capped at
+    ``length - 1``, so the forced slots per row (``2 half + 1``) never exceed what a row
+    can hold twice over (a larger window asked for memory for pairs that cannot exist)."""
     if window > 0:
-        return window // 2
+        return min(window // 2, max(length - 1, 0))
     return 0 if self_loops else None
 
 
@@ -96,7 +108,7 @@ def forced_edge_keys(
     ``self_loops`` adds ``(i, i)`` for real tokens.
     """
     n, m = q_mask.shape[0], k_mask.shape[0]
-    half = _forced_half_width(self_loops, window)
+    half = _forced_half_width(self_loops, window, max(n, m))
     if half is None:
         return None
     offsets = jnp.arange(-half, half + 1)
@@ -111,7 +123,7 @@ def forced_edge_mask(
 ) -> jax.Array | None:
     """Dense ``[n, m]`` form of :func:`forced_edge_keys`."""
     n, m = q_mask.shape[0], k_mask.shape[0]
-    half = _forced_half_width(self_loops, window)
+    half = _forced_half_width(self_loops, window, max(n, m))
     if half is None:
         return None
     dist = jnp.abs(jnp.arange(n)[:, None] - jnp.arange(m)[None, :])
@@ -216,7 +228,7 @@ def _dense_head(
         plan.delta,
         law=law,
         ste=ste,
-        forced_half=_forced_half_width(self_loops, window),
+        forced_half=_forced_half_width(self_loops, window, q.shape[-2]),
         dropout_rate=rate,
         dropout_rng=drop_key if rate > 0.0 else None,
     )
@@ -285,7 +297,7 @@ def plan_paths(
     kernel: str = "rows",
     dense_below: int = 0,
     edge_cost: float | None = None,
-    max_dense_elements: int = 2**31,
+    max_dense_elements: int = NO_DENSE_LIMIT,
     max_edge_slots: int = 2**26,
     forced_per_row: int = 0,
     backend: str | None = None,
@@ -362,7 +374,7 @@ def sbm_attention_core(
     window: int = 0,
     dense_below: int = 0,
     edge_cost: float | None = None,
-    max_dense_elements: int = 2**31,
+    max_dense_elements: int = NO_DENSE_LIMIT,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     kernel: str = "rows",
@@ -460,7 +472,7 @@ def _sbm_attention_core(
     pair_probes: int,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     batch, heads, length, _ = q.shape
-    forced_half = _forced_half_width(self_loops, window)
+    forced_half = _forced_half_width(self_loops, window, length)
     all_caps = bucket_capacities(capacity_buckets, length, length)
     dense_index = len(all_caps)  # the recorded path of the dense branch
     caps, dense_allowed = plan_paths(
@@ -678,6 +690,8 @@ class SBMAttention(nn.Module):
       max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
         this; otherwise draws above the largest bucket are lost, and the stat
         ``overflow`` (``[batch, heads]`` bool, sown every call) marks those graphs.
+        Default: no limit (the dense path is streamed, so this bounds its compute, not
+        its memory).
       max_edge_slots: a sparse bucket is built only if its slots over the batch,
         ``batch*heads*capacity`` (plus forced edges), are at most this; its memory is
         ~20-30 bytes per slot, and a ``lax.switch`` reserves its largest branch's. Draws
@@ -728,7 +742,7 @@ class SBMAttention(nn.Module):
     window: int = 0
     dense_below: int = 128 * 128
     edge_cost: float | None = None
-    max_dense_elements: int = 2**31
+    max_dense_elements: int = NO_DENSE_LIMIT
     max_edge_slots: int = 2**26
     kernel: str = "rows"
     cluster_init: str = "paper"
@@ -745,7 +759,14 @@ class SBMAttention(nn.Module):
         check_law(self.edge_law, "edge_law")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
+        if isinstance(self.capacity_buckets, str):
+            raise ValueError(
+                f"capacity_buckets must be a tuple of numbers, got {self.capacity_buckets!r}"
+            )
         buckets = tuple(self.capacity_buckets)
+        bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, numbers.Real)]
+        if bad:
+            raise ValueError(f"capacity_buckets must be numbers (fractions of n*m), got {bad}")
         if not buckets:
             raise ValueError("capacity_buckets must name at least one fraction of n*m")
         if any(not 0.0 < f <= 1.0 for f in buckets):

@@ -22,6 +22,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -375,6 +376,65 @@ def check_mesh(mesh: Any, model: Any, errors: list[str]) -> None:
         )
 
 
+def _sbm_batches(config: Any, device_count: int) -> list[tuple[str, int]]:
+    """``(what, rows)`` of every batch an SBM layer is traced with: the training
+    micro-batch (``train.batch_size`` over its accumulation passes) and the evaluation
+    batch where the config names one (``task.eval_batch_size`` / ``train.eval_batch_size``,
+    0: the training batch). Under ``jit`` the layer sees the global batch."""
+    from sbm_jax.training.host_data import accumulation_steps
+
+    train, task = config.train, config.get("task") or {}
+    batch = train.get("batch_size")
+    if not isinstance(batch, int) or batch < 1 or batch % device_count:
+        return []  # reported by check_train
+    maximum = train.get("max_per_device_batch", 0)
+    accum = accumulation_steps(batch, device_count, maximum if isinstance(maximum, int) else 0)
+    batches = [("the training micro-batch" if accum > 1 else "the training batch", batch // accum)]
+    for section, name in ((task, "task"), (train, "train")):
+        size = section.get("eval_batch_size", 0) if hasattr(section, "get") else 0
+        if isinstance(size, int) and size > 0:
+            batches.append((f"the evaluation batch ({name}.eval_batch_size)", size))
+    return batches
+
+
+def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
+    """With ``model.attention="sbm"``: refuse, before anything is built or compiled,
+    attention options under which no attention path fits a batch the run will trace
+    (:func:`sbm_jax.attention.sbm.plan_paths`' error, naming the fields and the sizes
+    they would need), instead of a traceback at the first step or mid-run at the first
+    evaluation."""
+    model = config.model
+    if model.get("attention") != "sbm" or model.get("architecture", "encoder") != "encoder":
+        return
+    from sbm_jax.attention.sbm import SBMAttention, _forced_half_width, plan_paths
+
+    length, heads = _longest_attention_input(model), model.get("num_heads")
+    if length is None or not isinstance(heads, int) or heads < 1:
+        return  # reported by check_model
+    given = dict(model.get("attention_options") or {})
+    defaults = {f.name: f.default for f in dataclasses.fields(SBMAttention)}
+    opts = {**defaults, **given}
+    forced = _forced_half_width(bool(opts["self_loops"]), int(opts["window"]), length)
+    for what, rows in _sbm_batches(config, device_count):
+        try:
+            plan_paths(
+                batch=rows,
+                heads=heads,
+                length=length,
+                capacity_buckets=tuple(float(c) for c in opts["capacity_buckets"]),
+                impl=str(opts["impl"]),
+                kernel=str(opts["kernel"]),
+                dense_below=int(opts["dense_below"]),
+                edge_cost=None if opts["edge_cost"] is None else float(opts["edge_cost"]),
+                max_dense_elements=int(opts["max_dense_elements"]),
+                max_edge_slots=int(opts["max_edge_slots"]),
+                forced_per_row=0 if forced is None else 2 * forced + 1,
+            )
+        except (TypeError, ValueError) as e:
+            errors.append(f"model.attention_options for {what} of {rows} x {length}: {e}")
+            return
+
+
 def config_errors(
     config: Any, *, head: str | None = None, device_count: int | None = None
 ) -> list[str]:
@@ -410,6 +470,8 @@ def config_errors(
     check_train(config.train, device_count, errors)
     check_checkpoint(config.get("checkpoint") or {}, errors)
     check_mesh(config.get("mesh") or {}, config.model, errors)
+    if not errors:  # the sizes below assume the fields checked above
+        check_sbm_paths(config, device_count, errors)
     for name in ("output_dir", "init_from"):
         value = config.get(name, "")
         if not isinstance(value, str):

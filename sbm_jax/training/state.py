@@ -88,7 +88,13 @@ def init_params_and_axes(
     model: nn.Module, task: Task, batch: Batch, rng: Array
 ) -> tuple[Any, ParamAxes]:
     """Model parameters from one example batch (only the ``params`` collection, plain
-    arrays) and their logical axis names (``sharding.logical_axes``)."""
+    arrays) and their logical axis names (``sharding.logical_axes``).
+
+    The model is traced on the batch's first row only: the parameters' shapes and
+    values do not depend on the batch size, and the whole global batch on one device
+    (before any sharding or micro-batching) could exceed what a step holds, e.g. the
+    SBM layer's path budgets, which are set for the micro-batch."""
+    batch = jax.tree.map(lambda x: x[:1], batch)
     params_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
     variables = jax.jit(
         lambda b: model.init(

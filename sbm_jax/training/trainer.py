@@ -279,7 +279,8 @@ class _Overflow:
             self._log(
                 f"warning: SBM graph draws exceeded the largest capacity bucket at {where} "
                 f"step {step} in {layers}: edges beyond the bucket were dropped; raise "
-                "model.attention_options.capacity_buckets or max_dense_elements "
+                "model.attention_options.max_dense_elements (the dense path takes such "
+                "draws; no limit by default), or max_edge_slots with capacity_buckets "
                 "(summary.json counts every such graph as overflow_total)"
             )
 
