@@ -695,7 +695,10 @@ class SBMAttention(nn.Module):
       max_edge_slots: a sparse bucket is built only if its slots over the batch,
         ``batch*heads*capacity`` (plus forced edges), are at most this; its memory is
         ~20-30 bytes per slot, and a ``lax.switch`` reserves its largest branch's. Draws
-        above the buckets built take the dense path (streamed, O(n d) memory).
+        above the buckets built take the dense path (streamed, O(n d) memory). Both
+        budgets count the batch as the layer sees it under ``jit``, the global one: with
+        the batch split over N devices each holds 1/N of it, so N times the budget
+        fits the same memory per device.
       kernel: edge-attention implementation of the sparse path: ``"rows"`` (default,
         the fastest measured) or ``"segment"`` (the reference); see
         :func:`sbm_jax.edge_ops.edge_attention`.
