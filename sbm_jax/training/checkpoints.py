@@ -32,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from sbm_jax.training.config_checks import ConfigError
+from sbm_jax.training.errors import ConfigError
 from sbm_jax.training.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"

@@ -33,10 +33,7 @@ from sbm_jax.attention import get_attention
 from sbm_jax.attention.registry import get_mechanism
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
 from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS
-
-
-class ConfigError(ValueError):
-    """A config field holds a bad value; the message names the field(s)."""
+from sbm_jax.training.errors import ConfigError
 
 
 def with_config_prefix(message: str, config: Any = None) -> str:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from sbm_jax.training.config_checks import ConfigError
+from sbm_jax.training.errors import ConfigError
 from sbm_jax.training.sharding import DATA_AXIS, data_axis_size
 from sbm_jax.training.steps import micro_batch_sharding
 from sbm_jax.training.task import Batch, Task

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sbm_jax.training.config_checks import ConfigError
+from sbm_jax.training.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 

@@ -260,7 +260,7 @@ class StateShardedJit:
 
 
 def _mesh_int(mesh_cfg: Any, name: str, default: int) -> int:
-    from sbm_jax.training.config_checks import ConfigError
+    from sbm_jax.training.errors import ConfigError
 
     value = mesh_cfg.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -281,7 +281,7 @@ def mesh_from_config(config: Any) -> Mesh:
       does not divide the device count, or a ``mesh.heads`` that does not divide
       ``model.num_heads``.
     """
-    from sbm_jax.training.config_checks import ConfigError
+    from sbm_jax.training.errors import ConfigError
 
     mesh_cfg = config.get("mesh") or {}
     data = _mesh_int(mesh_cfg, "data", -1)
