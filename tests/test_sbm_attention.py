@@ -617,6 +617,18 @@ def test_default_budgets_keep_the_dense_path_for_paper_presets():
     assert dense and caps == (3072**2 // 64,)  # the larger buckets are over max_edge_slots
 
 
+def test_the_cost_model_counts_a_windows_forced_slots():
+    # GLUE's window 64 at n=512 adds 65 forced slots per row to every sparse branch
+    # (33,280 against the 1/64 bucket's 4,096); at 7.6 dense pairs per slot that branch
+    # costs more than the dense path's 512^2 pairs, so "auto" must leave it out.
+    from sbm_jax.attention.sbm import plan_paths
+
+    shapes = dict(batch=2, heads=2, length=512, capacity_buckets=(1 / 64,), edge_cost=7.6)
+    assert plan_paths(**shapes) == ((512 * 512 // 64,), True)  # no window: sparse pays
+    assert (512 * 512 // 64 + 65 * 512) * 7.6 > 512 * 512
+    assert plan_paths(**shapes, forced_per_row=65) == ((), True)
+
+
 def test_a_window_wider_than_the_sequence_forces_every_pair_once():
     # A window of 2**18 on n = 12 asked for 2**18 + 1 forced slots per row; the forced
     # edges are every real pair either way, so it must cost what a full window costs.

@@ -349,8 +349,15 @@ def plan_paths(
     if impl == "auto" and dense_allowed:
         if n * m <= dense_below:
             return (), True
+        # a branch holds its bucket's slots plus the forced (window, self-loop) edges of
+        # every row; the dense branch gets those for free in its mask
         worth = sparse_buckets_worth_it(
-            caps, n, m, kernel=kernel, backend=backend, slot_cost=edge_cost
+            tuple(c + forced_per_row * n for c in caps),
+            n,
+            m,
+            kernel=kernel,
+            backend=backend,
+            slot_cost=edge_cost,
         )
         caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)
     return caps, dense_allowed
