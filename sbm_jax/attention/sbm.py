@@ -691,9 +691,9 @@ class SBMAttention(nn.Module):
       dense_below: with ``impl="auto"``, sequences with ``n*m`` at or below this always
         take the dense path (sparse bookkeeping costs more there).
       edge_cost: with ``impl="auto"``, the cost of one sparse slot relative to one pair
-        of the dense path; buckets with ``capacity * edge_cost >= n*m`` are left out, so
-        such batches run dense. ``None`` (default): the calibrated value of the backend
-        and kernel (:func:`sbm_jax.kernels.cost.edge_cost`).
+        of the dense path; buckets with ``(capacity + forced edges) * edge_cost >= n*m``
+        are left out, so such batches run dense. ``None`` (default): the calibrated
+        value of the backend and kernel (:func:`sbm_jax.kernels.cost.edge_cost`).
       max_dense_elements: the dense path is built only if ``batch*heads*n*m`` is at most
         this; otherwise draws above the largest bucket are lost, and the stat
         ``overflow`` (``[batch, heads]`` bool, sown every call) marks those graphs.
