@@ -99,6 +99,12 @@ def _forced_half_width(self_loops: bool, window: int, length: int) -> int | None
     return 0 if self_loops else None
 
 
+def _forced_per_row(self_loops: bool, window: int, length: int) -> int:
+    """Forced edges per query row (the slots each sparse branch adds for them)."""
+    half = _forced_half_width(self_loops, window, length)
+    return 0 if half is None else 2 * half + 1
+
+
 def forced_edge_keys(
     q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
 ) -> jax.Array | None:
@@ -479,7 +485,6 @@ def _sbm_attention_core(
     pair_probes: int,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     batch, heads, length, _ = q.shape
-    forced_half = _forced_half_width(self_loops, window, length)
     all_caps = bucket_capacities(capacity_buckets, length, length)
     dense_index = len(all_caps)  # the recorded path of the dense branch
     caps, dense_allowed = plan_paths(
@@ -493,7 +498,7 @@ def _sbm_attention_core(
         edge_cost=edge_cost,
         max_dense_elements=max_dense_elements,
         max_edge_slots=max_edge_slots,
-        forced_per_row=0 if forced_half is None else 2 * forced_half + 1,
+        forced_per_row=_forced_per_row(self_loops, window, length),
     )
 
     def plan_one(qm, blk, km, qmask, kmask):
@@ -758,6 +763,24 @@ class SBMAttention(nn.Module):
     cluster_init: str = "paper"
     ste: str = "paper"
     pair_probes: int = DEFAULT_PAIR_PROBES
+
+    def paths_for(self, batch: int, length: int) -> tuple[tuple[int, ...], bool]:
+        """:func:`plan_paths` under this module's options for a ``[batch, length]`` input
+        (the choice its call makes; a ValueError naming the fields when no path fits):
+        what a config check runs for each batch a training run will trace."""
+        return plan_paths(
+            batch=batch,
+            heads=self.num_heads,
+            length=length,
+            capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
+            impl=self.impl,
+            kernel=self.kernel,
+            dense_below=self.dense_below,
+            edge_cost=self.edge_cost,
+            max_dense_elements=self.max_dense_elements,
+            max_edge_slots=self.max_edge_slots,
+            forced_per_row=_forced_per_row(self.self_loops, self.window, length),
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""

@@ -22,7 +22,6 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import math
@@ -403,31 +402,17 @@ def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
     model = config.model
     if model.get("attention") != "sbm" or model.get("architecture", "encoder") != "encoder":
         return
-    from sbm_jax.attention.sbm import SBMAttention, _forced_half_width, plan_paths
+    from sbm_jax.attention.sbm import SBMAttention
 
-    length, heads = _longest_attention_input(model), model.get("num_heads")
-    if length is None or not isinstance(heads, int) or heads < 1:
-        return  # reported by check_model
-    given = dict(model.get("attention_options") or {})
-    defaults = {f.name: f.default for f in dataclasses.fields(SBMAttention)}
-    opts = {**defaults, **given}
-    forced = _forced_half_width(bool(opts["self_loops"]), int(opts["window"]), length)
+    options = model.get("attention_options") or {}
+    options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    module = SBMAttention(num_heads=model.num_heads, head_dim=model.head_dim, **options)
+    length = _longest_attention_input(model)
     for what, rows in _sbm_batches(config, device_count):
         try:
-            plan_paths(
-                batch=rows,
-                heads=heads,
-                length=length,
-                capacity_buckets=tuple(float(c) for c in opts["capacity_buckets"]),
-                impl=str(opts["impl"]),
-                kernel=str(opts["kernel"]),
-                dense_below=int(opts["dense_below"]),
-                edge_cost=None if opts["edge_cost"] is None else float(opts["edge_cost"]),
-                max_dense_elements=int(opts["max_dense_elements"]),
-                max_edge_slots=int(opts["max_edge_slots"]),
-                forced_per_row=0 if forced is None else 2 * forced + 1,
-            )
-        except (TypeError, ValueError) as e:
+            module.paths_for(rows, length)
+        except ValueError as e:
             errors.append(f"model.attention_options for {what} of {rows} x {length}: {e}")
             return
 
