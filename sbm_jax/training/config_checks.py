@@ -33,6 +33,7 @@ from sbm_jax.attention.registry import get_mechanism
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
 from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS
 from sbm_jax.training.errors import ConfigError
+from sbm_jax.training.state import WEIGHT_DECAY_MASKS
 
 
 def with_config_prefix(message: str, config: Any = None) -> str:
@@ -307,10 +308,10 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
         if not isinstance(value, (int, float)) or value < 0:
             errors.append(f"train.{name}={value!r} must be a non-negative number")
     mask = train.get("weight_decay_mask", "all")
-    if mask not in ("all", "matrices"):
+    if mask not in WEIGHT_DECAY_MASKS:
         errors.append(
-            f"train.weight_decay_mask={mask!r} must be 'all' or 'matrices' (only parameters "
-            "of two or more dimensions decay)"
+            f"train.weight_decay_mask={mask!r} must be one of {WEIGHT_DECAY_MASKS} "
+            "('matrices': only parameters of two or more dimensions decay)"
         )
     # The paper's regulariser (lambda > 0) penalises density; a negative weight rewards
     # it, pushing the graph toward full attention (docs/synthetic.md uses it as an
