@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from sbm_jax.training.errors import ConfigError
+from sbm_jax.training.run_dir import write_atomically
 from sbm_jax.training.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
@@ -208,11 +209,7 @@ class RunCheckpoints:
         path = os.path.join(str(self._latest.directory), str(int(step)), "meta", "metadata")
         if jax.process_index() != 0 or not os.path.isfile(path):
             return
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(json.dumps(meta))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        write_atomically(path, json.dumps(meta))
 
     def latest_step(self) -> int | None:
         """Step of the newest latest checkpoint, or None."""

@@ -362,9 +362,12 @@ def _csv_step(row: list[str]) -> float | None:
 def write_atomically(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: a process killed
     mid-write leaves the old file or the new one, never a truncated one (a truncated
-    summary.json would read as a finished run to the sweep and crash the report)."""
+    summary.json would read as a finished run to the sweep and crash the report). The
+    text is on disk before the rename (fsync)."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
