@@ -9,6 +9,10 @@ Measures, in one process (so that ratios are fair on a shared, drifting machine)
   that the sampled density is about the case's density, against the ``full`` attention
   layer (same projections, ``jax.nn.dot_product_attention``), timed in alternation;
   gradients with respect to all parameters and x. Cases ``--layer-cases n:density``.
+  With ``--layer-processes K`` each case runs instead in K fresh processes of this
+  script, one after another, and its figures are the medians over them (the range in
+  the note): what ran before in a process (XLA's and the C library's allocator state)
+  moves the full layer's time at n=1024 by 20-50% on a 2-core CPU.
 * ``long``: the SBM layer at ``--long`` lengths, batch 1, ~1% density: compiled memory
   and one timed fwd+bwd; full attention at the same n compiled only (memory analysis).
 * ``lra``: one training step (the trainer's ``make_train_step``: forward, loss,
@@ -55,6 +59,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -613,6 +618,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="SBMAttention fields for the whole-layer SBM rows instead of the module's "
         "defaults, e.g. ste=pairs pair_probes=8 (ints, floats and strings)",
     )
+    p.add_argument(
+        "--layer-processes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="measure each whole-layer case in K fresh processes of this script, one after "
+        "another, and report the medians over them with their range (0: in this process, "
+        "after the core and sampler runs)",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer figures")
     p.add_argument("--no-core", action="store_true", help="skip the dense and core figures")
     p.add_argument("--no-sampler", action="store_true", help="skip the fastRG figures")
@@ -647,7 +661,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p,
         args,
         positive=("sizes", "batch", "heads", "head_dim", "clusters", "long", "lra_step"),
-        non_negative=("warmup",),
+        non_negative=("warmup", "layer_processes"),
     )
     check_numbers(p, args, positive=("lra_batch", "calibrate", "max_gib"))
     from sbm_jax.kernels import KERNELS
@@ -656,6 +670,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for impl in args.impls:
         if impl not in impls:
             p.error(f"--impls: {impl!r} is not a core kernel; choose from {', '.join(impls)}")
+    args.layer_option_items = list(args.layer_options)  # as typed: passed on to children
     try:
         args.layer_options = layer_options(args.layer_options)
     except ValueError as err:
@@ -918,6 +933,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.no_layer:
         for n, dd in args.layer_cases:
+            if args.layer_processes:
+                for rec in layer_case_in_processes(args, n, dd):
+                    log(rec)
+                continue
             # Full and SBM layers (the module's defaults) timed in alternation.
             recs, loads = [], []
             for kind in ("full", "sbm"):
@@ -975,6 +994,86 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**header(args), "results": results}
 
 
+def layer_child_command(args: argparse.Namespace, n: int, density: float, out: str) -> list[str]:
+    """This script measuring the layer case ``n:density`` alone (nothing else in the
+    process), with this run's sizes, repeats, head mapping and layer options, its report
+    written to ``out``."""
+    cmd = [sys.executable, str(Path(__file__).resolve())]
+    cmd += ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
+    cmd += ["--layer-cases", f"{n}:{density}", "--batch", str(args.batch)]
+    cmd += ["--heads", str(args.heads), "--head-dim", str(args.head_dim)]
+    cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    cmd += ["--max-gib", str(args.max_gib), "--head-map", args.heads_mode, "--json", out]
+    if args.layer_option_items:
+        cmd += ["--layer-options", *args.layer_option_items]
+    return cmd
+
+
+#: Per-call figures of a layer record that are summarised over processes by their median.
+_PER_PROCESS = ("median_s", "faults_per_call", "sys_s_per_call", "user_s_per_call")
+
+
+def merge_process_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One ``full`` and one ``sbm`` layer record from the records of K processes that each
+    measured the same case.
+
+    Each figure in :data:`_PER_PROCESS` and the SBM layer's ``median_round_ratio`` become
+    the median over the processes that timed the layer, and the per-process values are
+    kept (``process_<name>``). Compiled memory, path and density are the first timed
+    process's (the same program and seeds in every process). A layer no process timed
+    keeps the first process's record (its ``skipped`` reason).
+    """
+    merged = []
+    for kind in ("full", "sbm"):
+        recs = [r for run in runs for r in run if r.get("section") == "layer"]
+        recs = [r for r in recs if r.get("kind") == kind]
+        timed = [r for r in recs if "median_s" in r]
+        if not timed:
+            if recs:
+                merged.append(dict(recs[0]))
+            continue
+        rec = {k: v for k, v in timed[0].items() if k not in ("times_s", "round_ratios")}
+        rec["processes"] = len(timed)
+        for name in (*_PER_PROCESS, "median_round_ratio"):
+            values = [r.get(name) for r in timed]
+            if all(v is not None for v in values):
+                rec[f"process_{name}"] = values
+                rec[name] = statistics.median(values)
+            else:
+                rec.pop(name, None)
+        merged.append(rec)
+    return merged
+
+
+def layer_case_in_processes(args: argparse.Namespace, n: int, density: float) -> list[dict]:
+    """The layer case ``n:density`` measured in ``args.layer_processes`` fresh processes,
+    one after another (:func:`layer_child_command`), merged by
+    :func:`merge_process_records`. A process that fails is reported (its last line of
+    error output) as a skipped record, never hidden."""
+    runs = []
+    k = args.layer_processes
+    case = f"[layer ] n={n:5d} dens={density:<6}"
+    with tempfile.TemporaryDirectory(prefix="bench_layer_") as tmp:
+        for i in range(k):
+            out = Path(tmp) / f"process{i}.json"
+            cmd = layer_child_command(args, n, density, str(out))
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0 or not out.exists():
+                tail = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+                why = f"process {i + 1}/{k} exited with {done.returncode}: {tail}"
+                print(f"{case} {why}", flush=True)
+                failed = dict(section="layer", n=n, density=density, skipped=why)
+                runs.append([{**failed, "kind": kind} for kind in ("full", "sbm")])
+                continue
+            recs = [r for r in json.loads(out.read_text())["results"] if r["section"] == "layer"]
+            runs.append(recs)
+            said = [f"{r['kind']} {_fmt(r.get('median_s', 0) * 1e3, '.1f')} ms" for r in recs]
+            ratio = [r["median_round_ratio"] for r in recs if "median_round_ratio" in r]
+            said += [f"per-round ratio {ratio[0]:.3f}"] if ratio else []
+            print(f"{case} process {i + 1}/{k}: {', '.join(said)}", flush=True)
+    return merge_process_records(runs)
+
+
 def cpu_model() -> str:
     """The CPU as the OS names it (Linux: ``/proc/cpuinfo``'s first processor, with its
     family and model numbers, which tell apart hosts that share a marketing name)."""
@@ -1025,6 +1124,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "impls": args.impls,
             "heads_mode": args.heads_mode,
             "layer_options": getattr(args, "layer_options", {}),
+            "layer_processes": getattr(args, "layer_processes", 0),
             "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
         "machine": machine(),
@@ -1127,6 +1227,16 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             )
             if "median_round_ratio" in r:
                 row["note"] += f"; median of per-round ratios {r['median_round_ratio']:.3f}"
+            ratios = r.get("process_median_round_ratio")
+            if ratios:
+                row["note"] += (
+                    f" (median over {len(ratios)} processes, each "
+                    f"{min(ratios):.3f}-{max(ratios):.3f})"
+                )
+        if r["section"] == "layer" and r.get("process_median_s"):
+            ms = [t * 1e3 for t in r["process_median_s"]]
+            spread = f"{len(ms)} fresh processes, {min(ms):.1f}-{max(ms):.1f} ms"
+            row["note"] = f"{row['note']}; {spread}" if row.get("note") else spread
         if r["section"] == "layer" and "faults_per_call" in r:
             # (Reports written before user CPU was recorded have only the first two.)
             user = r.get("user_s_per_call")
@@ -1315,8 +1425,15 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "(same projections, `jax.nn.dot_product_attention`), timed in alternation in one "
         "process, the padding mask and the output's cotangent passed as inputs of the "
         "compiled step (as in a training step; not constants XLA could fold); their time "
-        "ratio is the median of the per-round ratios. Core rows: ratios to "
-        "`jax.nn.dot_product_attention` at the same n.",
+        "ratio is the median of the per-round ratios."
+        + (
+            f" Each layer case ran in {cfg['layer_processes']} fresh processes of its own, "
+            "one after another (nothing else measured in them): a layer row's figures are "
+            "the medians over those processes, its note gives their range."
+            if cfg.get("layer_processes")
+            else ""
+        )
+        + " Core rows: ratios to `jax.nn.dot_product_attention` at the same n.",
         "",
         "### Issue-14 targets (whole layer, module defaults)",
         "",

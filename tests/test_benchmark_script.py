@@ -1,9 +1,13 @@
 """scripts/benchmark_attention.py: its markdown block is rewritten in place, and only it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests.scripts_testing import load_script
@@ -258,3 +262,84 @@ def test_bad_arguments_stop_before_measuring(bench, tmp_path, capsys):
         "pair_probes": 8,
     }
     assert sp.parse_args(["--layers", "strided", "fixed c=8"]).layers == ["strided", "fixed c=8"]
+
+
+def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path, monkeypatch):
+    # The children are replaced by a fake that checks their command line (this script,
+    # the one case alone, this run's settings) and writes a report with known times.
+    ratios = iter([0.9, 0.7, 1.1, 0.8])
+    seen = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):
+        if cmd[0] != sys.executable:  # `git rev-parse` for the report's header
+            return real_run(cmd, **kw)
+        assert cmd[:2] == [sys.executable, str(Path(bench.__file__).resolve())]
+        child = bench.parse_args(cmd[2:])
+        assert child.layer_cases == [(1024, 0.05)] and child.no_core and child.no_sampler
+        assert child.long == [] and child.lra_step == [] and child.no_targets
+        assert (child.batch, child.heads, child.repeats, child.warmup) == (1, 3, 7, 2)
+        assert child.layer_options == {"ste": "pairs"} and child.heads_mode == "vmap"
+        seen.append(cmd)
+        if len(seen) == 3:  # this one fails: reported, never hidden, not merged
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback\nMemoryError: boom\n")
+        r = next(ratios)
+        rec = dict(section="layer", n=1024, density=0.05, temp_bytes=100)
+        recs = [
+            {**rec, "kind": "full", "median_s": 0.1 * len(seen), "times_s": [0.1] * 7},
+            {**rec, "kind": "sbm", "median_s": 0.1 * len(seen) * r, "median_round_ratio": r,
+             "path": 1, "sampled_density": 0.05, "temp_bytes": 40, "round_ratios": [r] * 7},
+        ]  # fmt: skip
+        Path(child.json).write_text(json.dumps({"results": recs}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    out = tmp_path / "run.json"
+    argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
+    argv += ["--layer-cases", "1024:0.05", "--layer-processes", "5", "--batch", "1"]
+    argv += ["--heads", "3", "--repeats", "7", "--warmup", "2", "--head-map", "vmap"]
+    bench.main([*argv, "--layer-options", "ste=pairs", "--json", str(out)])
+    assert len(seen) == 5
+    report = json.loads(out.read_text())
+    full, sbm = (r for r in report["results"] if r["section"] == "layer")
+    # Four processes timed the layers (0.9, 0.7, 0.8, and 1.1 for the fourth and fifth
+    # calls' order): medians over them, the per-process values kept.
+    assert sbm["process_median_round_ratio"] == [0.9, 0.7, 1.1, 0.8]
+    assert sbm["median_round_ratio"] == pytest.approx(0.85) and sbm["processes"] == 4
+    assert full["median_s"] == pytest.approx(np.median([0.1, 0.2, 0.4, 0.5]))
+    assert "times_s" not in full and "round_ratios" not in sbm
+    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    assert rows["n=1024, 5%: time SBM / full"]["value"] == pytest.approx(0.85)
+    assert rows["n=1024, 5%: temp memory SBM / full"]["value"] == pytest.approx(0.4)
+    _, sbm_row = bench.ratio_rows(report)
+    assert "0.850 (median over 4 processes, each 0.700-1.100)" in sbm_row["note"]
+    md = tmp_path / "b.md"
+    bench.main(["--from-json", str(out), "--markdown", str(md)])
+    assert "Each layer case ran in 5 fresh processes of its own" in md.read_text()
+    # Every process failing keeps the reason in the report.
+    monkeypatch.setattr(
+        bench.subprocess,
+        "run",
+        lambda cmd, **kw: (
+            subprocess.CompletedProcess(cmd, 137, "", "Killed\n")
+            if cmd[0] == sys.executable
+            else real_run(cmd, **kw)
+        ),
+    )
+    bench.main([*argv, "--json", str(out)])
+    recs = json.loads(out.read_text())["results"]
+    assert [r["skipped"] for r in recs] == ["process 1/5 exited with 137: Killed"] * 2
+
+
+@pytest.mark.slow
+def test_layer_processes_run_this_script_for_real(bench, tmp_path):
+    # Two real child processes at a small n: both layers timed in each, merged.
+    out = tmp_path / "run.json"
+    argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
+    argv += ["--layer-cases", "64:0.5", "--layer-processes", "2", "--batch", "1"]
+    bench.main([*argv, "--repeats", "5", "--json", str(out)])
+    full, sbm = json.loads(out.read_text())["results"]
+    assert (full["kind"], sbm["kind"]) == ("full", "sbm") and sbm["processes"] == 2
+    assert len(sbm["process_median_round_ratio"]) == 2 and full["temp_bytes"] > 0
+    assert min(full["process_median_s"]) <= full["median_s"] <= max(full["process_median_s"])
+    assert abs(sbm["sampled_density"] - 0.5) < 0.1
