@@ -401,7 +401,7 @@ def test_sbm_options_no_path_fits_are_refused_before_anything_is_built():
     from configs.lra import listops
     from sbm_jax.training.config_checks import config_errors
 
-    config = synthetic_config.get_config("sbm,smoke")  # 16 x 16, 2 heads: 4096 pairs
+    config = synthetic_config.get_config("sbm,smoke")  # 16 x 16, 1 head: 4096 pairs
     with config.unlocked():
         config.model.attention_options.max_dense_elements = 1
         config.model.attention_options.max_edge_slots = 1

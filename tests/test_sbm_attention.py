@@ -119,6 +119,37 @@ def test_layer_picks_smallest_bucket_that_fits():
     assert len(seen) >= 2, "the test should exercise more than one bucket"
 
 
+def test_a_pair_probability_near_one_sends_the_layer_to_the_dense_path():
+    # Bernoulli oversampling needs every row bound on p + delta below 0.995: one real pair
+    # with p = 0.999 takes the batch to the dense path although its draws fit the largest
+    # bucket; p = 0.9 does not, nor does 0.999 on a padded key. p from numpy below.
+    block = jnp.broadcast_to(jnp.eye(3, dtype=jnp.float32), (2, 3, 3))
+    qkv = jnp.asarray(np.random.default_rng(0).normal(size=(B, 2, L, 4)), jnp.float32)
+    buckets = (1 / 32, 1 / 8, 1 / 2, 1.0)
+
+    def path_for(top, example, key):
+        q_memb = np.full((B, 2, L, 3), 0.05, np.float32)
+        k_memb = q_memb.copy()
+        q_memb[example, 1, 3] = (1.0, 0.0, 0.0)
+        k_memb[example, 1, key] = (top, 0.0, 0.0)
+        p = np.einsum("bhik,hkl,bhjl->bhij", q_memb, np.asarray(block), k_memb)
+        real = np.asarray(MASK)[:, None, :, None] & np.asarray(MASK)[:, None, None, :]
+        stats = sbm_attention_core(
+            jax.random.PRNGKey(0), qkv, qkv, qkv, jnp.asarray(q_memb), block,
+            jnp.asarray(k_memb), MASK, delta=0.0, law="bernoulli",
+            capacity_buckets=buckets, impl="sparse",
+        )[1]  # fmt: skip
+        return int(stats["path"]), float(np.max(np.where(real, p, 0.0)))
+
+    dense = len(buckets)
+    path, p_max = path_for(0.999, example=0, key=7)
+    assert p_max > 0.995 and path == dense
+    path, p_max = path_for(0.9, example=0, key=7)
+    assert p_max < 0.995 and path < dense
+    path, p_max = path_for(0.999, example=1, key=13)  # key 13 is padding in example 1
+    assert p_max < 0.995 and path < dense
+
+
 def test_auto_cost_model_skips_costly_buckets():
     rng = np.random.default_rng(1)
     memb = jnp.asarray(rng.random((B, 2, L, 3)), jnp.float32)
