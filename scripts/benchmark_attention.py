@@ -1230,7 +1230,7 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             ratios = r.get("process_median_round_ratio")
             if ratios:
                 row["note"] += (
-                    f" (median over {len(ratios)} processes, each "
+                    f" (the median over {len(ratios)} processes, which read "
                     f"{min(ratios):.3f}-{max(ratios):.3f})"
                 )
         if r["section"] == "layer" and r.get("process_median_s"):

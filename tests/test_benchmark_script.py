@@ -312,7 +312,7 @@ def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path
     assert rows["n=1024, 5%: time SBM / full"]["value"] == pytest.approx(0.85)
     assert rows["n=1024, 5%: temp memory SBM / full"]["value"] == pytest.approx(0.4)
     _, sbm_row = bench.ratio_rows(report)
-    assert "0.850 (median over 4 processes, each 0.700-1.100)" in sbm_row["note"]
+    assert "0.850 (the median over 4 processes, which read 0.700-1.100)" in sbm_row["note"]
     md = tmp_path / "b.md"
     bench.main(["--from-json", str(out), "--markdown", str(md)])
     assert "Each layer case ran in 5 fresh processes of its own" in md.read_text()
