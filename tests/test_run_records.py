@@ -685,6 +685,26 @@ def test_overflow_is_counted_warned_once_and_totalled(tmp_path):
     assert len(warnings) == 1, log.getvalue()
     assert f"train step {first} in attention ({expected[first - 1]:g})" in warnings[0]
 
+    # Resumed to step 6: the new session's log first says how many graphs overflowed
+    # before, then warns again at its own first overflowing step; the total counts every
+    # record the run keeps (the first session's test record is replaced).
+    config.train.num_steps = 6
+    log = io.StringIO()
+    summary = train_and_evaluate(config, task, str(tmp_path / "run"), log_stream=log)
+    lines = log.getvalue().splitlines()
+    (note,) = [line for line in lines if "overflowed the largest capacity bucket" in line]
+    assert note.startswith("note: ") and "before this resume" in note
+    later = [
+        2.0 * float(np.sum(next(task.train_batches(s))["inputs"][:, 0] > 4)) for s in (3, 4, 5)
+    ]
+    train = records(tmp_path / "run")
+    assert [r["overflow"] for r in train] == expected + later
+    kept = records(tmp_path / "run", None)
+    assert summary["overflow_total"] == sum(r["overflow"] for r in kept)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    step = next(s for s, count in enumerate(later, start=4) if count > 0)  # the data has one
+    assert len(warnings) == 1 and f"train step {step} in attention" in warnings[0]
+
 
 def test_config_differences_name_every_field_and_allow_the_safe_ones():
     from sbm_jax.training.run_dir import config_differences

@@ -261,12 +261,18 @@ def _read_records(output_dir: str) -> list[dict[str, Any]]:
 
 class _Overflow:
     """Counts SBM's overflowing graphs (draws above the largest capacity bucket) and
-    warns once, naming the layer and step."""
+    warns once per session, naming the layer and step. A resumed run whose total is
+    already above 0 says so first, so that its own log tells the whole story."""
 
     def __init__(self, total: float, log: Callable[[str], None]) -> None:
         self.total = float(total)
-        self.warned = total > 0
+        self.warned = False
         self._log = log
+        if self.total > 0:
+            log(
+                f"note: {self.total:g} SBM graphs overflowed the largest capacity bucket "
+                "before this resume (summary.json's overflow_total goes on counting)"
+            )
 
     def add(self, where: str, step: int, per_layer: Mapping[str, float] | None) -> None:
         if not per_layer:
