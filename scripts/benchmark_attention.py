@@ -41,8 +41,9 @@ Configurations whose compiled footprint exceeds ``--max-gib`` are skipped and li
 Usage::
 
     python scripts/benchmark_attention.py --quick            # a few minutes
-    python scripts/benchmark_attention.py --sizes 4096 --densities 0.01 0.05 --impls rows \\
-        --markdown docs/benchmarks.md                        # the documented run
+    python scripts/benchmark_attention.py --sizes 4096 --densities 0.05 --impls rows \\
+        --no-targets --repeats 11 --long 16384 32768 --lra-step 16384 \\
+        --layer-processes 5 --markdown docs/benchmarks.md    # the documented run (~20 min)
     python scripts/benchmark_attention.py --no-core --no-sampler --long --lra-step \\
         --layer-cases 4096:0.05                              # one layer case only
 """
