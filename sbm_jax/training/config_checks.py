@@ -96,6 +96,17 @@ def _longest_attention_input(model: Any) -> int | None:
     return max_len + (1 if model.get("pooling") == "cls" else 0)
 
 
+def _given_options(model: Any) -> dict[str, Any]:
+    """``model.attention_options`` as a plain dict, its values as the config gives them."""
+    options = model.get("attention_options") or {}
+    return options.to_dict() if hasattr(options, "to_dict") else dict(options)
+
+
+def _as_fields(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options as the module's fields hold them: lists (JSON, the command line) as tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
 def check_attention_options(model: Any, errors: list[str]) -> None:
     """Append a message per bad ``model.attention`` / ``model.attention_options.*``."""
     try:
@@ -103,8 +114,7 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
     except ValueError as e:
         errors.append(str(e))
         return
-    options = model.get("attention_options") or {}
-    options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+    options = _given_options(model)
     defaults = get_mechanism(str(model.get("attention"))).option_defaults()
     known = set(defaults)
     unknown = [key for key in options if key not in known]
@@ -137,7 +147,7 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
             bad = True
     if bad:
         return
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    options = _as_fields(options)
     try:
         # Building the module runs the checks a mechanism makes at construction (the
         # sparse patterns' impl, stride and c); validate() those it keeps there, given
@@ -405,9 +415,7 @@ def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
         return
     from sbm_jax.attention.sbm import SBMAttention
 
-    options = model.get("attention_options") or {}
-    options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    options = _as_fields(_given_options(model))
     module = SBMAttention(num_heads=model.num_heads, head_dim=model.head_dim, **options)
     length = _longest_attention_input(model)
     for what, rows in _sbm_batches(config, device_count):
