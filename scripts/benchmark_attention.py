@@ -1025,9 +1025,9 @@ def merge_process_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     keeps the first process's record (its ``skipped`` reason).
     """
     merged = []
+    layer = [r for run in runs for r in run if r.get("section") == "layer"]
     for kind in ("full", "sbm"):
-        recs = [r for run in runs for r in run if r.get("section") == "layer"]
-        recs = [r for r in recs if r.get("kind") == kind]
+        recs = [r for r in layer if r.get("kind") == kind]
         timed = [r for r in recs if "median_s" in r]
         if not timed:
             if recs:
