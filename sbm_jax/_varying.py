@@ -30,7 +30,7 @@ def _varying_axes(x: Any) -> frozenset[str]:
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)  # JAX < 0.10
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # JAX < 0.10
 
 
 def vary_like(init: Any, *operands: Any) -> Any:

@@ -37,9 +37,10 @@ class EdgeList(PyTreeDataclass):
     cols: jax.Array
     valid: jax.Array
     probs: jax.Array
-    num_edges: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
-    num_draws: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
-    overflow: jax.Array = dataclasses.field(default_factory=lambda: np.bool_(False))
+    # numpy scalars as defaults: no jax array is made at import (they become arrays in jit).
+    num_edges: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))  # type: ignore[assignment]
+    num_draws: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))  # type: ignore[assignment]
+    overflow: jax.Array = dataclasses.field(default_factory=lambda: np.bool_(False))  # type: ignore[assignment]
     num_rows: int | None = dataclasses.field(default=None, metadata={"static": True})
     num_cols: int | None = dataclasses.field(default=None, metadata={"static": True})
 

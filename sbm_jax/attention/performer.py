@@ -219,6 +219,7 @@ class PerformerAttention(nn.Module):
 
     def fixed_features_key(self) -> Array:
         """PRNG key of the fixed features: ``feature_seed`` folded with the module path."""
+        assert self.scope is not None, "fixed_features_key needs a bound module"
         path = "/".join(str(p) for p in self.scope.path)
         tag = zlib.crc32(path.encode()) & 0x7FFFFFFF
         return jax.random.fold_in(jax.random.key(self.feature_seed), tag)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -298,13 +298,16 @@ def _merge(stats: list[_Stats]) -> tuple[Array, Array]:
     m = stats[0].m
     for st in stats[1:]:
         m = jnp.maximum(m, st.m)
-    total, num = 0.0, 0.0
+    total: Any = 0.0
+    num: Any = 0.0
     for st in stats:
         w = jnp.exp(st.m - m)  # constants: 1 for the part holding the maximum
         total = total + st.total * w
         num = num + st.num * w[..., None].astype(st.num.dtype)
     safe = jnp.where(total > 0.0, total, 1.0)
-    return num / safe[..., None].astype(num.dtype), sum(st.edges for st in stats)
+    return num / safe[..., None].astype(num.dtype), sum(
+        (st.edges for st in stats[1:]), stats[0].edges
+    )
 
 
 def _group_attention(
@@ -329,7 +332,7 @@ def _group_attention(
     (out [B, h, nb, l, dv], edges [B, h]).
     """
     scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-    rngs = [None, None]
+    rngs: list[Array | None] = [None, None]
     if dropout_rng is not None:
         rngs = [jax.random.fold_in(dropout_rng, t) for t in range(2)]
     kw = dict(dropout_rate=dropout_rate, chunk_elements=chunk_elements)
@@ -453,7 +456,7 @@ def blocked_pattern_attention(
         return jnp.transpose(t, (0, 2, 1, 3)).reshape(batch, t.shape[2], nb, stride, -1)
 
     real = token_mask.reshape(batch, nb, stride)
-    common = dict(
+    common: dict[str, Any] = dict(
         kind=kind,
         stride=stride,
         c=c,
@@ -462,7 +465,7 @@ def blocked_pattern_attention(
         chunk_elements=chunk_elements,
     )
     if heads == 1:
-        groups = [("AB", 0, 1, (0,))]
+        groups: list[tuple[str, int, int, tuple[int, ...]]] = [("AB", 0, 1, (0,))]
     else:
         num_a = heads - heads // 2
         num_b = heads - num_a
@@ -470,10 +473,14 @@ def blocked_pattern_attention(
         groups = [("A", 0, num_a, (0,)), ("B", num_a, heads, offsets)]
     outs, edges = [], []
     for g, (types, lo, hi, offs) in enumerate(groups):
-        fn = partial(_group_attention, types=types, offsets=offs, **common)
+        fn: Callable[..., tuple[Array, Array]] = partial(
+            _group_attention, types=types, offsets=offs, **common
+        )
         if remat:
             fn = jax.checkpoint(fn)
-        rng = jax.random.fold_in(dropout_rng, g) if use_dropout else None
+        rng = (
+            jax.random.fold_in(dropout_rng, g) if use_dropout and dropout_rng is not None else None
+        )
         o, e = fn(blocks(q[:, :, lo:hi]), blocks(k[:, :, lo:hi]), blocks(v[:, :, lo:hi]), real, rng)
         outs.append(o)
         edges.append(e)

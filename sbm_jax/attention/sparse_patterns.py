@@ -270,7 +270,7 @@ class _PatternAttention(nn.Module):
         rng = None
         if not deterministic and self.attention_dropout > 0.0:
             rng = self.make_rng("dropout")
-        dropout = dict(
+        dropout: dict[str, Any] = dict(
             dropout_rate=self.attention_dropout, dropout_rng=rng, deterministic=deterministic
         )
         if self.impl == "mask":

@@ -240,6 +240,7 @@ class TensorizedSpectralAttention(nn.Module):
 
         y = spectral_filter(psi, v, mask).astype(self.dtype)  # [B, L, H, Dh]
         y = y.reshape(*y.shape[:2], self.num_heads * self.head_dim)
+        out: nn.Module
         if self.projection == "dense":
             out = nn.Dense(self.out_dim, use_bias=self.use_bias, dtype=self.dtype, name="out")
         else:

@@ -77,6 +77,7 @@ class SequenceClassifier(nn.Module):
         if self.encoder.pooling == "none":
             raise ValueError("model.pooling='none' cannot feed a sequence classification head")
         _, _, pooled = self.encoder(inputs, mask, deterministic=deterministic)
+        assert pooled is not None  # pooling != "none" was checked above
         return self.head(pooled)
 
 
@@ -113,5 +114,6 @@ class DualEncoderClassifier(nn.Module):
         inputs = jnp.concatenate([inputs0, inputs1], axis=0)
         mask = jnp.concatenate([mask0, mask1], axis=0)
         _, _, pooled = self.encoder(inputs, mask, deterministic=deterministic)
+        assert pooled is not None  # pooling != "none" was checked above
         features = dual_encoder_features(pooled[:batch], pooled[batch:])
         return self.head(features)
