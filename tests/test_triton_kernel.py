@@ -144,3 +144,17 @@ def test_unmeasured_costs_are_unknown_and_auto_says_what_it_does():
     finally:
         cost.EDGE_COST["gpu"] = saved
         cost.EDGE_COST["cpu"].pop("triton", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_layer_core_with_triton_matches_the_dense_reference(monkeypatch, backend):
+    # The whole SBM core with kernel="triton" in interpret mode, against the dense
+    # reference on the same graphs; traced as on a GPU too (one vmap over the graphs,
+    # so the Pallas kernels run under their batching rule).
+    import tests.test_accelerator as accel
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(accel, "_needs_gpu", lambda kernel: None)
+    with triton_mode("interpret"), jax.default_matmul_precision("highest"):
+        accel.test_core_matches_the_dense_reference_per_graph("paper", "sparse", "triton")
