@@ -34,6 +34,22 @@ recorded as skipped. Cases run in priority order: the issue's target figures fir
 
 Writes ``accelerator_table.json``, ``accelerator_table.md`` and ``accelerator_tests.log``
 under ``--out``.
+
+The device has JAX, Triton, PyTorch and flax but neither ``ml_collections`` (the LRA
+configs) nor, perhaps, pytest: carry them as pure-Python packages in an ignored folder,
+prepared once in the checkout that travels::
+
+    SP=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    mkdir -p .device_py
+    cp -r $SP/{ml_collections,pytest,_pytest,pluggy,iniconfig,packaging,py.py} .device_py/
+    grep -qx /.device_py/ .git/info/exclude || echo /.device_py/ >>.git/info/exclude
+
+and run (``carry=[".device_py"]``, ``timeout_s=420``; the budget leaves the rest of a
+15-minute lease for one rerun of what did not fit, e.g. ``--skip-tests --lengths 32768``)::
+
+    mkdir -p $OUT/accel; export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device_py
+    timeout 400 python scripts/accelerator_check.py --out $OUT/accel --budget-s 330 \
+        2>&1 | tee $OUT/accel/console.log
 """
 
 from __future__ import annotations
