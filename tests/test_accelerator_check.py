@@ -52,3 +52,4 @@ def test_cpu_rehearsal_records_every_case(tmp_path):
     assert env["backend"] == "cpu" and env["auto_kernel"] == "rows"
     md = (tmp_path / "accelerator_table.md").read_text()
     assert md.count("\n| 1 | 2 | 8 | 64 |") == len(by)
+    assert md.count("| not measured | <= ") == 3 * 3 + 3, "every target row, unmeasured here"
