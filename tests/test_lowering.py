@@ -8,7 +8,9 @@ ever spent on a lowering error. Each case lowers the forward and the backward pa
 ``jax.default_backend()`` reads ``"gpu"`` or ``"tpu"`` during the trace, so the
 accelerator's head mapping (one ``vmap`` over the graphs) and fastRG's loop-free CDFs
 are what is lowered. Compiling for the device (Triton to PTX, XLA's GPU/TPU passes) is
-left to the device: ``scripts/accelerator_check.py``.
+left to the device: ``scripts/accelerator_check.py``, which also covers cuDNN flash
+attention (``implementation="cudnn"`` asks for the cuDNN version while tracing, so it
+cannot be lowered without a GPU).
 """
 
 import jax
