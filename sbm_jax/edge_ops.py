@@ -97,7 +97,8 @@ def edge_attention(
         reference every faster kernel is tested against), or a kernel of
         :data:`sbm_jax.kernels.KERNELS`: ``"rows"`` streams virtual rows of the
         row-sorted edge list with a flash-style backward (needs the EdgeList layout
-        contract: valid edges first, sorted by row).
+        contract: valid edges first, sorted by row); ``"triton"`` runs the same virtual
+        rows as a Pallas kernel on an NVIDIA GPU (:mod:`sbm_jax.kernels.triton`).
       return_lse: also return each row's log-normaliser ``lse [n]`` float32 (of the
         logits before dropout; 0 for a row without edges), as the kernel keeps it for its
         backward pass. It carries no gradient (``stop_gradient``).

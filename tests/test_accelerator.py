@@ -43,11 +43,18 @@ def _case(seed=0):
     return q, k, v, qm, blk, km, 5.0 * g, wd
 
 
+def _needs_gpu(kernel):
+    if kernel == "triton" and jax.default_backend() != "gpu":
+        pytest.skip("kernel='triton' runs on an NVIDIA GPU only")
+
+
 @pytest.mark.parametrize("ste", ["paper", "reference"])
 @pytest.mark.parametrize(
-    "impl, kernel", [("sparse", "rows"), ("sparse", "segment"), ("dense", "rows")]
+    "impl, kernel",
+    [("sparse", "rows"), ("sparse", "segment"), ("sparse", "triton"), ("dense", "rows")],
 )
 def test_core_matches_the_dense_reference_per_graph(ste, impl, kernel):
+    _needs_gpu(kernel)
     q, k, v, qm, blk, km, g, wd = _case()
     rng, delta, buckets = jax.random.PRNGKey(4), 0.02, (0.25,)
 
@@ -147,3 +154,50 @@ def test_plan_cdfs_at_scale_with_the_backends_method():
     row_cdf = np.asarray(plans.row_cdf)  # [graphs, n, K]
     assert np.all(np.diff(row_cdf, axis=2) >= 0)
     assert np.all(row_cdf[:, ~mask] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_triton_kernel_matches_segment_with_hardware_atomics(dtype):
+    # The GPU's atomic_add in the triton kernel's backward (interpret mode on CPU uses a
+    # scatter-add instead): 64 keys reached by 2048 queries, so every block adds into
+    # the same key rows many times; scale, bias and dropout on.
+    _needs_gpu("triton")
+    from sbm_jax import edge_attention
+    from sbm_jax.graph import EdgeList
+
+    n, m, d, per_row = 2048, 64, 32, 24
+    rng = np.random.default_rng(3)
+    cols = np.sort(np.stack([rng.choice(m, per_row, replace=False) for _ in range(n)]), 1)
+    deg = rng.integers(0, per_row + 1, n)  # ragged rows, some empty
+    keep = np.arange(per_row)[None, :] < deg[:, None]
+    rows = np.repeat(np.arange(n), per_row).reshape(n, per_row)[keep]
+    cols = cols[keep]
+    e, cap = len(rows), len(rows) + 100
+    edges = EdgeList(
+        rows=jnp.asarray(np.concatenate([rows, np.full(100, n - 1)]), jnp.int32),
+        cols=jnp.asarray(np.concatenate([cols, np.zeros(100)]), jnp.int32),
+        valid=jnp.asarray(np.arange(cap) < e),
+        probs=jnp.zeros((cap,), jnp.float32),
+    )
+    q, k, v, g = (jnp.asarray(rng.normal(size=(s, d)), dtype) for s in (n, m, m, n))
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, cap), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=cap) * 0.3, jnp.float32)
+    kw = dict(dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(5))
+
+    def loss(impl):
+        def f(q, k, v, s, b):
+            out = edge_attention(q, k, v, edges, edge_scale=s, edge_bias=b, impl=impl, **kw)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+
+        return jax.jit(jax.value_and_grad(f, argnums=range(5)))
+
+    val, got = loss("triton")(q, k, v, scale, bias)
+    # the reference in float32 on the same (rounded) inputs: the segment implementation
+    # in bf16 would scatter-add its dK/dV per edge in bf16
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    ref_val, ref = loss("segment")(*f32, scale, bias)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-4
+    np.testing.assert_allclose(val, ref_val, rtol=tol)
+    for name, a, b in zip(("q", "k", "v", "scale", "bias"), got, ref, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)

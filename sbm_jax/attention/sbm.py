@@ -55,7 +55,7 @@ from sbm_jax.fastrg import (
     sample_edge_keys,
 )
 from sbm_jax.kernels import KERNELS
-from sbm_jax.kernels.cost import sparse_buckets_worth_it
+from sbm_jax.kernels.cost import resolve_kernel, sparse_buckets_worth_it
 from sbm_jax.kernels.dense import streamed_sbm_attention
 from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, with_absent_pairs
 from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
@@ -69,8 +69,9 @@ IMPLS = ("auto", "sparse", "dense")
 #: the dense path from paper presets such as LRA Text, 128 x 2 x 3072^2 pairs, which
 #: then dropped most of their edges.)
 NO_DENSE_LIMIT = 2**62
-#: Edge kernels the sparse branches can use (``SBMAttention.kernel``).
-EDGE_KERNELS = ("segment", *KERNELS)
+#: Edge kernels the sparse branches can use (``SBMAttention.kernel``); ``"auto"`` is
+#: resolved per backend by :func:`sbm_jax.kernels.cost.resolve_kernel`.
+EDGE_KERNELS = ("segment", *KERNELS, "auto")
 
 
 def bucket_capacities(fractions: Sequence[float], n: int, m: int) -> tuple[int, ...]:
@@ -413,6 +414,7 @@ def sbm_attention_core(
     """
     check_law(law)
     check_ste(ste)
+    kernel = resolve_kernel(kernel)  # "auto"; a GPU-only kernel refused elsewhere
     return _sbm_attention_core(
         rng,
         q,
@@ -712,7 +714,9 @@ class SBMAttention(nn.Module):
         the batch split over N devices each holds 1/N of it, so N times the budget
         fits the same memory per device.
       kernel: edge-attention implementation of the sparse path: ``"rows"`` (default,
-        the fastest measured) or ``"segment"`` (the reference); see
+        the fastest measured), ``"segment"`` (the reference), ``"triton"`` (a Pallas
+        kernel for NVIDIA GPUs, refused on other backends) or ``"auto"`` (the cheapest
+        measured on the backend, :func:`sbm_jax.kernels.cost.resolve_kernel`); see
         :func:`sbm_jax.edge_ops.edge_attention`.
       cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
       ste: the estimator of the sampled mask, on every path: ``"paper"`` (eq. 9, the
@@ -812,6 +816,7 @@ class SBMAttention(nn.Module):
             raise ValueError(f"edge_cost must be > 0 (or None), got {self.edge_cost}")
         if self.kernel not in EDGE_KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
+        resolve_kernel(self.kernel)  # a GPU-only kernel on another backend: one line
         check_ste(self.ste, "ste")
         for field in ("window", "max_dense_elements", "max_edge_slots", "dense_below"):
             check_int(field, getattr(self, field), minimum=0)

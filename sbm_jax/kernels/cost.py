@@ -16,10 +16,19 @@ unit, per backend and kernel: a bucket of ``C`` slots is worth running sparse wh
 ``C * edge_cost < n * m``. ``scripts/benchmark_attention.py --calibrate`` measures it
 (the whole layer with ``impl="dense"`` against ``impl="sparse"`` with one bucket, in one
 process) and prints the table row for the backend it runs on.
+
+A cost that was never measured is absent from the table, never borrowed from another
+backend: :func:`edge_cost` returns ``None`` for it. With no cost, ``impl="auto"`` keeps
+no sparse bucket where the dense path is allowed (the dense path is exact for the same
+law, and matrix products are what an accelerator without a measured gather cost is
+known to run well) and warns once, naming the calibration command.
+``kernel="auto"`` (:func:`resolve_kernel`) takes the cheapest *measured* kernel of the
+backend that can run there, and ``"rows"`` (which runs everywhere) when none is.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -27,32 +36,57 @@ import jax
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
 #: kernel, measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls rows
 #: segment`` (B=2, H=2, d_h=32, k=128, n=2048, 5% density in a bucket of 10% of n^2,
-#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2,
-#: recalibrated 2026-11-29 on 56b59f5 (fastRG on prefixes of its bucket, the dense
-#: path's faster backward): rows 7.5, 8.0, 7.4, segment 15.2, 15.7, 15.1 in three runs
-#: (rows 10.3 and 8.0, segment 30.9 on 2026-11-27); buckets below ~1/8 of n*m run sparse
-#: with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with ``segment``.
-#: ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2 (2026-11-27): rows 50.8, segment 87.6;
-#: only buckets below ~1/51 of n*m run sparse (the default 1/64), since the dense branch
-#: is matrix products and the sparse one gathers, sorts and scatters. ``tpu``: NOT
-#: measured (no TPU was available); it takes the GPU's figures, on the expectation that
-#: gathers and scatters cost a TPU at least as much. Recalibrate there with
-#: ``--calibrate``.
+#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2: rows 7.5,
+#: 8.0, 7.4, segment 15.2, 15.7, 15.1 in three runs; buckets below ~1/8 of n*m run
+#: sparse with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with
+#: ``segment``. ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2: rows 50.8, segment 87.6; only
+#: buckets below ~1/51 of n*m run sparse (the default 1/64), since the dense branch is
+#: matrix products and the sparse one gathers, sorts and scatters. The ``triton`` kernel
+#: (GPU only) is not measured yet: ``scripts/accelerator_check.py`` measures it with the
+#: rest of the GPU table. ``tpu``: nothing measured (no TPU was available), so no entry.
 EDGE_COST: dict[str, dict[str, float]] = {
     "cpu": {"rows": 7.6, "segment": 15.3},
     "gpu": {"rows": 51.0, "segment": 88.0},
-    "tpu": {"rows": 51.0, "segment": 88.0},
+    "tpu": {},
 }
 
+#: Kernels that run on one backend only (:data:`sbm_jax.kernels.KERNEL_BACKENDS`).
+_ONLY_ON = {"triton": "gpu"}
+#: Every kernel name the cost model knows (``"segment"`` and the fast kernels).
+KNOWN_KERNELS = ("rows", "segment", "triton")
+_warned: set[tuple[str, str]] = set()
 
-def edge_cost(kernel: str, backend: str | None = None) -> float:
-    """Cost of one sparse slot with ``kernel`` on ``backend`` (default: JAX's), in pairs of
-    the dense branch. Unknown backends use the ``gpu`` figures."""
+
+def edge_cost(kernel: str, backend: str | None = None) -> float | None:
+    """Measured cost of one sparse slot with ``kernel`` on ``backend`` (default: JAX's),
+    in pairs of the dense branch; ``None`` where it was never measured."""
     backend = jax.default_backend() if backend is None else backend
-    table = EDGE_COST.get(backend, EDGE_COST["gpu"])
-    if kernel not in table:
-        raise ValueError(f"kernel={kernel!r} has no calibrated cost; known: {tuple(table)}")
-    return table[kernel]
+    if kernel not in KNOWN_KERNELS:
+        raise ValueError(f"kernel={kernel!r} has no calibrated cost; known: {KNOWN_KERNELS}")
+    return EDGE_COST.get(backend, {}).get(kernel)
+
+
+def resolve_kernel(kernel: str, backend: str | None = None) -> str:
+    """The edge kernel the layer runs for ``kernel`` on ``backend`` (default: JAX's).
+
+    ``"auto"``: the measured-cheapest kernel that runs on the backend, ``"rows"`` where
+    none is measured. A kernel bound to one backend (``"triton"``: GPU) raises a
+    ValueError naming the option and the backend elsewhere (see
+    :func:`sbm_jax.kernels.triton.check_backend` for the interpret and lowering modes).
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if kernel == "auto":
+        measured = {
+            name: cost
+            for name, cost in EDGE_COST.get(backend, {}).items()
+            if _ONLY_ON.get(name, backend) == backend
+        }
+        return min(measured, key=measured.__getitem__) if measured else "rows"
+    if kernel == "triton":
+        from sbm_jax.kernels.triton import check_backend
+
+        check_backend(backend)
+    return kernel
 
 
 def sparse_buckets_worth_it(
@@ -69,6 +103,19 @@ def sparse_buckets_worth_it(
     ``slot_cost`` overrides the calibration (``SBMAttention.edge_cost``): the cost of one
     slot in pairs of the dense branch. The layer leaves the buckets marked False out of
     its switch, so that SBM attention is never much slower than its own dense path.
+    Without a measured cost (nor ``slot_cost``), every bucket is marked False (the dense
+    path), with a warning once per backend and kernel.
     """
+    backend = jax.default_backend() if backend is None else backend
     cost = edge_cost(kernel, backend) if slot_cost is None else float(slot_cost)
+    if cost is None:
+        if (backend, kernel) not in _warned:
+            _warned.add((backend, kernel))
+            warnings.warn(
+                f"kernel={kernel!r} has no measured cost on backend {backend!r}: impl='auto' "
+                "runs the dense path; measure it with scripts/benchmark_attention.py "
+                "--calibrate, or set SBMAttention.edge_cost",
+                stacklevel=2,
+            )
+        return tuple(False for _ in capacities)
     return tuple(c * cost < n * m for c in capacities)
