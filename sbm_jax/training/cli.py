@@ -11,10 +11,22 @@ the mesh against the devices); with ``--print_config`` print it and stop; find t
 directory and, when it holds a run, check that this config may resume it; with
 ``--dry_run`` stop there; then build the task (data is read or generated only now) and
 train. Every user error is one line on stderr, ``error: ...``, and exit status 2, with
-nothing written. Exit status 0: the run finished, or SIGTERM / Ctrl-C / SIGHUP stopped it after
-saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; the
-same command with ``--output_dir`` set to that directory resumes it); 3: a non-finite
-loss or gradient halted it (the message names the step and the saved replay state).
+nothing written (``--print_config`` with a bad value prints the error alone).
+
+Exit statuses: 0: the run finished; 2: a user error; 3: a non-finite loss or gradient
+halted it (the message names the step and the saved replay state); 74: the disk (or
+quota) holding the run's folder is full (one line naming the folder; the records end at
+the last whole line and no temporary checkpoint is left; free space and run again to
+resume); 75 (EX_TEMPFAIL, "try again"): SIGTERM / Ctrl-C / SIGHUP stopped it after
+saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; no
+summary.json is written; the same command with ``--output_dir`` set to that directory
+resumes it), so that ``train && next`` stops and a scheduler can requeue it; 130:
+Ctrl-C before training started. A second signal ends the process at once without
+saving (the shell shows 128 + the signal: 143 for SIGTERM). ``metrics.jsonl`` is strict
+JSON, one record per line: a NaN or infinite value is written as ``null``.
+
+``--workdir=DIR`` is ``--output_dir=DIR``; ``--list_presets`` lists the presets the
+``--config`` file accepts.
 
 Any option of the configured attention mechanism may be set with
 ``--config.model.attention_options.<option>=...`` even when the preset does not list
@@ -45,10 +57,18 @@ from sbm_jax.training.config_checks import (
     closest_field,
     config_errors,
     one_line,
+    without_repeats,
 )
 
 USAGE_EXIT = 2
 NONFINITE_EXIT = 3
+#: A run stopped by SIGTERM, Ctrl-C or SIGHUP after saving its latest checkpoint:
+#: sysexits' EX_TEMPFAIL ("try again later"), so that ``train && next`` stops and a
+#: scheduler requeues it; distinct from 143 / 130, what the shell shows when a signal
+#: (a second one) ended the process without saving.
+STOPPED_EXIT = 75
+#: The disk (or quota) under the run's folder is full: nothing half-written is left.
+NO_SPACE_EXIT = 74
 INTERRUPTED_EXIT = 130
 
 HELP = """\
@@ -61,9 +81,11 @@ Train a model on the task its config names, through the one trainer.
   --config.train.num_steps=500               override any field of it
   --print_config                             print the resolved config, check it, exit
   --dry_run                                  also say where it would train, then exit
+  --list_presets                             list the presets the config file accepts
   --output_dir=DIR                           the run's directory; an existing run there
                                              is resumed if its config matches (default:
-                                             config.output_dir or runs/<name>-<time>)
+                                             config.output_dir or runs/<name>-<time>);
+                                             --workdir=DIR is the same flag
 
 To list a preset's fields (every one can be overridden):
   {prog} --config=configs/lra/listops.py:sbm,smoke --print_config
@@ -130,6 +152,38 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         return get_config(arg) if arg is not None else get_config()
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"--config={spec}: {e}") from None
+
+
+def list_presets(spec: str) -> str:
+    """The presets the config file of ``spec`` accepts, as ``--list_presets`` prints
+    them (read from its ``get_config``'s call of ``configs.presets.parse_preset``).
+
+    Raises:
+      ConfigError: naming ``--config`` for a missing file or one that does not parse
+        its preset with ``parse_preset``.
+    """
+    given, _ = _split_spec(spec)
+    path = resolve_config_path(given)
+    if path is None:
+        raise ConfigError(f"--config={spec}: no such file {given!r}")
+    from configs import presets
+
+    try:
+        with presets.listing():
+            load_config_file(given)
+    except presets.PresetListing as found:
+        forms = {"lambda": "lambda=<float>", "seed": "seed=<int>", "task": "task=<name>"}
+        lines = [
+            f"presets of {given} (--config={given}:<part>,<part>...; parts in any order):",
+            f"  mechanisms: {', '.join(found.mechanisms)} (default: {found.default_mechanism})",
+            f"  scales:     {', '.join(found.scales)} (default: {found.scales[0]})",
+        ]
+        if found.keys:
+            lines.append(f"  settings:   {', '.join(forms[k] for k in found.keys)}")
+        example = f"{found.default_mechanism},{found.scales[-1]}"
+        lines.append(f"e.g. --config={given}:{example} --print_config")
+        return "\n".join(lines) + "\n"
+    raise ConfigError(f"--config={spec}: {path!r} takes no preset (its get_config ignores it)")
 
 
 def _overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -247,6 +301,11 @@ def _define_flags(fv: Any, config: Any, argv: Sequence[str]) -> None:
         "resumed when its config matches.",
         flag_values=fv,
     )
+    # The flax examples' and big_vision's name for it.
+    flags.DEFINE_alias("workdir", "output_dir", flag_values=fv)
+    flags.DEFINE_bool(
+        "list_presets", False, "List the presets the --config file accepts, exit.", flag_values=fv
+    )
     flags.DEFINE_bool(
         "print_config", False, "Print the resolved config, check it, exit.", flag_values=fv
     )
@@ -327,7 +386,7 @@ def check_config(config: Any) -> list[str]:
     from sbm_jax.training.sharding import mesh_from_config
 
     errors = config_errors(config)
-    errors += task_config_errors(config)
+    errors = without_repeats(errors, task_config_errors(config))
     if config.get("init_from"):
         try:
             find_checkpoint(str(config.init_from))
@@ -420,6 +479,15 @@ def main(
         _print_help(prog, fv, out)
         return 0
     skipped = import_task_modules(task_modules)
+    if "--list_presets" in argv[1:]:
+        spec = _config_spec(argv)
+        if not spec:
+            return fail("--list_presets needs --config=CONFIG.py (e.g. configs/synthetic.py)")
+        try:
+            out.write(list_presets(spec))
+        except ConfigError as e:
+            return fail(str(e))
+        return 0
     try:
         config = parse_config(argv, fv, define_extra)
     except ConfigError as e:
@@ -443,12 +511,12 @@ def main(
     note = unavailable_task_note(config, skipped)
     if note is not None:
         errors = [note] + [e for e in errors if not e.startswith("task.name=")]
+    if errors:  # alone: after a screen of config, the line would scroll out of sight
+        return fail(one_line(errors, config))
     if fv.print_config or fv.dry_run:
         if primary:
             out.write(str(config))
             out.flush()
-    if errors:
-        return fail(one_line(errors, config))
     if fv.print_config:
         return 0
 
@@ -497,7 +565,7 @@ def main(
     if primary:
         out.write(format_run_summary(summary) + "\n")
         out.flush()
-    return 0
+    return STOPPED_EXIT if "stopped_at" in summary else 0
 
 
 def run(argv: Sequence[str] | None = None, **kwargs: Any) -> None:

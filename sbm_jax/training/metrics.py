@@ -28,6 +28,17 @@ def to_python(value: Any) -> Any:
     return array.tolist()
 
 
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN / inf float (in dicts and lists) replaced by None."""
+    if isinstance(value, Mapping):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 # Record fields that are bookkeeping, not metrics: not sent to TensorBoard.
 TENSORBOARD_SKIP = frozenset({"step", "split", "time_s"})
 TENSORBOARD_DIR = "tensorboard"
@@ -178,7 +189,10 @@ class MetricsWriter:
                     f"MetricsWriter.write: record 'step' must be an integer for TensorBoard, "
                     f"got {step!r}; pass tensorboard=False to log records without a step"
                 )
-        self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        # Strict JSON: NaN / inf are written as null (json.dumps' bare NaN tokens are
+        # not JSON, and jq or a browser refuses the whole file); one write per line.
+        line = json.dumps(finite_or_none(record), sort_keys=True, allow_nan=False) + "\n"
+        self._jsonl.write(line)
         if split == "train":
             self._csv.writerow([record.get(c, "") for c in CSV_COLUMNS])
         if self._tb is not None:

@@ -1,0 +1,153 @@
+"""Bad input that once got through the trainer's checks, and what it gets now: one line
+naming the field (exit 2, nothing created), strict-JSON records, a stopped run's own
+exit status, no lock file left behind, the trainer's small conveniences (``--workdir``,
+``--list_presets``). In this process: no child is started."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+
+import pytest
+
+from sbm_jax.training import cli
+from sbm_jax.training.metrics import MetricsWriter
+from sbm_jax.training.run_dir import RunLock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYNTHETIC = os.path.join(ROOT, "configs", "synthetic.py")
+
+
+def run_train(*args: str) -> tuple[int, str, str]:
+    """``scripts/train.py`` in this process: (exit status, stdout, stderr)."""
+    from scripts import train as train_script
+
+    out, err = io.StringIO(), io.StringIO()
+    status = cli.main(
+        ["train.py", *args], task_modules=train_script.TASK_MODULES, stdout=out, stderr=err
+    )
+    return status, out.getvalue(), err.getvalue()
+
+
+def assert_one_line(status: int, stdout: str, err: str, *needles: str) -> None:
+    assert status == 2 and stdout == "", (status, stdout, err)
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+
+
+NON_FINITE = [
+    ("train.learning_rate", "nan"),
+    ("train.learning_rate", "inf"),
+    ("train.weight_decay", "nan"),
+    ("train.grad_clip_norm", "inf"),
+    ("train.end_learning_rate_factor", "nan"),
+    ("train.b2", "nan"),
+    ("model.dropout", "nan"),
+    ("model.attention_options.delta", "nan"),
+]
+
+
+@pytest.mark.parametrize("field, value", NON_FINITE, ids=[f"{f}={v}" for f, v in NON_FINITE])
+def test_non_finite_float_fields_are_refused_once_before_anything(field, value, tmp_path):
+    out = tmp_path / "run"
+    status, stdout, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke", f"--config.{field}={value}", f"--output_dir={out}"
+    )
+    assert_one_line(status, stdout, err, f"config.{field}=", "must be a finite number")
+    assert err.count(field) == 1, err  # not again by the field's range check
+    assert not out.exists()
+
+
+def test_adam_epsilon_must_be_positive(tmp_path):
+    lra = os.path.join(ROOT, "configs", "lra", "listops.py")
+    status, stdout, err = run_train(
+        f"--config={lra}:sbm,smoke", "--config.train.eps=0.0", f"--output_dir={tmp_path / 'r'}"
+    )
+    assert_one_line(status, stdout, err, "config.train.eps=0.0 must be a positive number")
+
+
+@pytest.mark.parametrize("field", ["num_heads", "head_dim", "emb_dim"])
+def test_a_zero_size_is_one_message_not_the_same_check_twice(field, tmp_path):
+    status, stdout, err = run_train(f"--config={SYNTHETIC}:sbm,smoke", f"--config.model.{field}=0")
+    assert_one_line(status, stdout, err, f"config.model.{field}=0 must be a positive integer")
+    assert err.count(";") == 0, err
+
+
+def test_print_config_with_a_bad_value_prints_the_error_alone():
+    status, stdout, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke", "--config.train.batch_size=0", "--print_config"
+    )
+    assert_one_line(status, stdout, err, "config.train.batch_size=0 must be a positive integer")
+
+
+def test_workdir_is_output_dir(tmp_path):
+    status, stdout, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke", f"--workdir={tmp_path / 'w'}", "--dry_run"
+    )
+    assert status == 0, err
+    assert f"would train a new run in {tmp_path / 'w'}" in stdout
+    status, _, err = run_train(f"--config={SYNTHETIC}:sbm,smoke", "--help")
+    assert status == 0
+
+
+def test_list_presets_names_every_part_a_config_accepts():
+    status, stdout, err = run_train(f"--config={SYNTHETIC}", "--list_presets")
+    assert status == 0, err
+    assert "mechanisms: sbm, sbm_poisson, sbm_pairs, full" in stdout
+    assert "scales:     paper, quick, smoke" in stdout
+    lra = os.path.join(ROOT, "configs", "lra", "listops.py")
+    status, stdout, err = run_train(f"--config={lra}:sbm", "--list_presets")
+    assert status == 0 and "lambda=<float>, seed=<int>" in stdout, err
+    # every part listed is accepted
+    for line in stdout.splitlines():
+        if line.strip().startswith("scales:"):
+            scales = line.split(":", 1)[1].split("(")[0].replace(" ", "").split(",")
+    for scale in scales:
+        assert cli.load_config_file(f"{lra}:sbm,{scale}") is not None
+    status, stdout, err = run_train("--config=no/such.py", "--list_presets")
+    assert_one_line(status, stdout, err, "no such file")
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    writer.write({"step": 1, "loss": math.nan, "grad_norm": math.inf, "per_head": [1.0, -math.inf]})
+    writer.close()
+
+    def refuse(token: str):
+        raise AssertionError(f"non-JSON token {token}")
+
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        (record,) = [json.loads(line, parse_constant=refuse) for line in f]
+    assert record == {"step": 1, "loss": None, "grad_norm": None, "per_head": [1.0, None]}
+
+
+def test_a_stopped_run_exits_75_and_a_finished_one_0(tmp_path, monkeypatch):
+    from sbm_jax.training import trainer
+
+    stopped = {"stopped_at": 3, "output_dir": str(tmp_path), "reason": "SIGTERM"}
+    monkeypatch.setattr(trainer, "train_and_evaluate", lambda *a, **k: stopped)
+    status, stdout, err = run_train(f"--config={SYNTHETIC}:sbm,smoke", f"--output_dir={tmp_path}")
+    assert status == cli.STOPPED_EXIT == 75, err
+    assert stdout.strip().endswith(f"stopped at step 3 (SIGTERM) -> {tmp_path}")
+
+
+def test_the_lock_file_goes_when_the_run_ends_and_a_late_opener_relocks(tmp_path):
+    import fcntl
+
+    lock = RunLock(str(tmp_path))
+    path = tmp_path / ".lock"
+    assert path.exists()
+    late = open(path, "a+")  # a second trainer opened the file before the first ended  # noqa: SIM115
+    lock.release()
+    assert not path.exists()
+    # It gets the flock of the removed file; RunLock would see the path no longer names
+    # it. Meanwhile a new RunLock makes and holds a new file.
+    fcntl.flock(late.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    again = RunLock(str(tmp_path))
+    assert path.exists() and os.stat(path).st_ino != os.fstat(late.fileno()).st_ino
+    late.close()
+    again.release()
+    assert not path.exists()
