@@ -151,3 +151,105 @@ def test_the_lock_file_goes_when_the_run_ends_and_a_late_opener_relocks(tmp_path
     late.close()
     again.release()
     assert not path.exists()
+
+
+TINY = (
+    f"--config={SYNTHETIC}:full,smoke",
+    "--config.task.seq_len=8",
+    "--config.train.batch_size=8",
+    "--config.train.log_every=1",
+    "--config.checkpoint.every_steps=5",
+)
+
+
+def test_a_failed_append_leaves_only_whole_lines(tmp_path, monkeypatch):
+    """ENOSPC half-way through a flush: the file is cut back to its last whole line."""
+    import errno
+
+    from sbm_jax.training import metrics
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    writer.write({"step": 1, "loss": 0.5})
+    writer.flush()
+    real_write = os.write
+
+    def half_then_full(fd: int, data) -> int:
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "write", half_then_full)
+    writer.write({"step": 2, "loss": 0.25})
+    with pytest.raises(OSError, match="No space left"):
+        writer.flush()
+    monkeypatch.setattr(metrics.os, "write", real_write)
+    for name in ("metrics.jsonl", "metrics.csv"):
+        text = (tmp_path / name).read_text()
+        assert text.endswith("\n") and "0.25" not in text, (name, text)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_a_full_disk_is_one_line_and_its_own_exit_status(tmp_path, monkeypatch):
+    import errno
+
+    from sbm_jax.training import trainer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "train_and_evaluate", full)
+    out = tmp_path / "run"
+    status, stdout, err = run_train(*TINY, f"--output_dir={out}")
+    assert status == cli.NO_SPACE_EXIT == 74, err
+    assert err.count("\n") == 1 and err.startswith("error: no space left on the device"), err
+    assert str(out) in err
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 300 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow  # two short trainings per case (~20 s each here)
+@pytest.mark.parametrize("estimate", [True, False], ids=["refused-before", "failed-save"])
+def test_a_run_on_a_full_disk_leaves_whole_records_and_no_temporary_checkpoint(
+    small_tmpfs, estimate, monkeypatch
+):
+    """The free-space check refuses a checkpoint that cannot fit; without it (a wrong
+    estimate) the failed orbax save is cleaned up the same way. Then, with room, the
+    same command resumes and finishes."""
+    import subprocess
+
+    from sbm_jax.training import checkpoints
+
+    if not estimate:
+        monkeypatch.setattr(checkpoints, "_check_space", lambda *a: None)
+    out = small_tmpfs / "run"
+    args = (*TINY, "--config.train.num_steps=40", f"--output_dir={out}")
+    status, stdout, err = run_train(*args)
+    assert status == 74, (stdout, err)
+    assert err.count("\n") == 1 and "no space left on the device holding" in err, err
+    leftovers = [p for p in out.rglob("*") if "orbax-checkpoint-tmp" in p.name]
+    assert leftovers == [] and not (out / "summary.json").exists()
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1))
+    monkeypatch.undo()
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_tmpfs)], check=True)
+    status, stdout, err = run_train(*args)
+    assert status == 0, err
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert [s for s in steps if s is not None][:40] == list(range(1, 41))

@@ -562,6 +562,19 @@ def main(
     except KeyboardInterrupt:
         err.write("interrupted\n")
         return INTERRUPTED_EXIT
+    except Exception as e:
+        from sbm_jax.training.errors import NoSpaceError, is_no_space
+
+        if isinstance(e, NoSpaceError):
+            return fail(f"{e}; free space and run the same command to resume", NO_SPACE_EXIT)
+        if is_no_space(e):
+            return fail(
+                f"no space left on the device holding {output_dir} (writing the run's "
+                "records; they end at the last whole line); free space and run the same "
+                "command to resume",
+                NO_SPACE_EXIT,
+            )
+        raise
     if primary:
         out.write(format_run_summary(summary) + "\n")
         out.flush()
@@ -577,4 +590,10 @@ def run(argv: Sequence[str] | None = None, **kwargs: Any) -> None:
     except BaseException:
         traceback.print_exc()
         status = 1
+    if status == NO_SPACE_EXIT:
+        # The one line is out; what a failed write's background threads (orbax,
+        # TensorStore, asyncio) print at exit would bury it.
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
     sys.exit(status)

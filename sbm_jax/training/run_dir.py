@@ -384,10 +384,15 @@ def write_atomically(path: str, text: str) -> None:
     mid-write leaves the old file or the new one, never a truncated one (a truncated
     summary.json would read as a finished run to the sweep and crash the report). The
     text is on disk before the rename (fsync)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk: no half file left beside it
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)
 
 
