@@ -253,3 +253,33 @@ def test_a_run_on_a_full_disk_leaves_whole_records_and_no_temporary_checkpoint(
     assert status == 0, err
     steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
     assert [s for s in steps if s is not None][:40] == list(range(1, 41))
+
+
+def test_a_signal_during_a_long_step_is_acknowledged_at_once(capfd):
+    """The first SIGTERM is acknowledged while the main thread is still inside a long
+    XLA computation (where Python's own handler cannot run), not after it."""
+    import signal
+    import threading
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from sbm_jax.training.preemption import StopSignals
+
+    @jax.jit
+    def slow(x):  # about a second of one XLA call on CPU
+        return jax.lax.fori_loop(0, 2000, lambda i, a: jnp.tanh(a @ a), x)
+
+    x = jnp.eye(128) * 0.5
+    slow(x).block_until_ready()  # compiled outside the timed part
+    with StopSignals() as signals:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        slow(x).block_until_ready()
+        done = time.monotonic()
+        time.sleep(0.05)  # the Python handler runs now
+    assert signals.received == "SIGTERM"
+    assert signals.heard_at is not None and signals.heard_at < done, (start, done)
+    err = capfd.readouterr().err
+    assert "heard SIGTERM: stopping after the step in progress, then saving" in err
