@@ -45,6 +45,7 @@ from sbm_jax.training.task import (
     classification_loss,
     default_model_inputs,
     dual_encoder_model_inputs,
+    may_prepare_data,
 )
 
 SOURCES = ("tfds", "generated", "mock")
@@ -174,6 +175,8 @@ def _data_config(task: str, cfg: Any, announce: bool = False) -> str | None:
         try:
             input_pipeline.dataset_dir(data_dir, task, config.name)
         except FileNotFoundError:
+            if not may_prepare_data.get():
+                raise
             others = input_pipeline.prepared_configs(data_dir, task)
             if announce and others and jax.process_index() == 0:
                 print(

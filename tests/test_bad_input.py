@@ -83,7 +83,8 @@ def test_print_config_with_a_bad_value_prints_the_error_alone():
     assert_one_line(status, stdout, err, "config.train.batch_size=0 must be a positive integer")
 
 
-def test_workdir_is_output_dir(tmp_path):
+def test_workdir_is_output_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "step_estimate", lambda config: "not needed here")
     status, stdout, err = run_train(
         f"--config={SYNTHETIC}:sbm,smoke", f"--workdir={tmp_path / 'w'}", "--dry_run"
     )
@@ -283,3 +284,29 @@ def test_a_signal_during_a_long_step_is_acknowledged_at_once(capfd):
     assert signals.heard_at is not None and signals.heard_at < done, (start, done)
     err = capfd.readouterr().err
     assert "heard SIGTERM: stopping after the step in progress, then saving" in err
+
+
+def test_dry_run_prints_the_compiled_steps_estimate_and_a_step_too_big_is_refused(
+    tmp_path, monkeypatch
+):
+    seen = []
+    real = cli.step_estimate
+    monkeypatch.setattr(cli, "step_estimate", lambda config: seen.append(real(config)) or seen[-1])
+    status, stdout, err = run_train(*TINY, "--dry_run")
+    assert status == 0, err
+    (line,) = [x for x in stdout.splitlines() if x.startswith("compiled train step: ")]
+    assert "GiB per device" in line and "GFLOPs per step" in line and "query-key pairs" in line
+    # A device smaller than the step: refused, naming the length field, before any work
+    # (the estimate above, on a device of 1 KiB).
+    (measured,) = seen
+    assert measured["memory_bytes"] > 1024 and measured["flops"] > 0
+    monkeypatch.setattr(cli, "step_estimate", lambda config: {**measured, "device_bytes": 1024})
+    status, stdout, err = run_train(*TINY, "--dry_run")
+    assert_one_line(status, stdout, err, "config.task.seq_len=8 with config.train.batch_size=8")
+    assert "per device (XLA's estimate of the compiled step), more than the" in err
+    # A run (not only --dry_run) whose step is large is checked the same way.
+    monkeypatch.setattr(cli, "LARGE_STEP_PAIRS", 0)
+    out = tmp_path / "run"
+    status, stdout, err = run_train(*TINY, f"--output_dir={out}")
+    assert_one_line(status, stdout, err, "one training step needs about")
+    assert not out.exists()

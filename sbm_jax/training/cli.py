@@ -378,6 +378,84 @@ def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None
     )
 
 
+#: Query-key pairs per step (batch x heads x layers x length^2) above which a run has
+#: its train step compiled on abstract state before any work, to refuse one that cannot
+#: fit in memory (``--dry_run`` always does it): far above any test or CPU preset.
+LARGE_STEP_PAIRS = 2**34
+
+
+def _length(config: Any) -> tuple[str, int]:
+    """The field that sets the sequence length, and the longest input length."""
+    task, model = config.get("task") or {}, config.model
+    for name in ("seq_len", "max_length", "max_seq_length"):
+        value = task.get(name) if hasattr(task, "get") else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"task.{name}", int(model.get("max_len") or value)
+    return "model.max_len", int(model.get("max_len") or 0)
+
+
+def attention_pairs(config: Any) -> int:
+    """Query-key pairs one training step scores: batch x heads x layers x length^2."""
+    model = config.model
+    _, length = _length(config)
+    return (
+        int(config.train.batch_size)
+        * int(model.get("num_heads") or 1)
+        * int(model.get("num_layers") or 1)
+        * length
+        * length
+    )
+
+
+def step_estimate(config: Any) -> dict[str, float] | str:
+    """XLA's memory / FLOPs estimate of the compiled train step, or why there is none
+    (the data is not prepared yet, the task cannot be built without writing)."""
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training.task import may_prepare_data
+    from sbm_jax.training.trainer import compiled_step_estimate
+
+    token = may_prepare_data.set(False)
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            task = build_task(copy.deepcopy(config))
+            return compiled_step_estimate(copy.deepcopy(config), task)
+    except (FileNotFoundError, ValueError, ImportError, OSError) as e:
+        return f"the task cannot be built without preparing its data: {_last_line(str(e))}"
+    finally:
+        may_prepare_data.reset(token)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def describe_estimate(estimate: Mapping[str, float]) -> str:
+    """``"0.1 GiB per device (of 24 GiB), 3.2 GFLOPs per step (XLA's estimates)"``."""
+    device = estimate.get("device_bytes") or 0
+    of = f" (of {_gib(device)})" if device else ""
+    flops = estimate.get("flops") or 0
+    work = f", {flops / 1e9:.3g} GFLOPs per step" if flops else ""
+    # XLA counts a loop's body once: the streamed attention's FLOPs are a lower bound.
+    return (
+        f"{_gib(estimate['memory_bytes'])} per device{of}{work} (XLA's estimates; FLOPs "
+        "inside loops counted once)"
+    )
+
+
+def size_error(config: Any, estimate: Mapping[str, float]) -> str | None:
+    """One line when the compiled step needs more memory than the device has."""
+    need, have = estimate["memory_bytes"], estimate.get("device_bytes") or 0
+    if not have or need <= have:
+        return None
+    field, length = _length(config)
+    return (
+        f"config.{field}={length} with config.train.batch_size={config.train.batch_size}: one "
+        f"training step needs about {_gib(need)} per device (XLA's estimate of the compiled "
+        f"step), more than the {_gib(have)} this machine's device has; shorten the sequence, "
+        "lower the batch (or set train.max_per_device_batch), or use model.remat=True"
+    )
+
+
 def check_config(config: Any) -> list[str]:
     """Every problem of ``config`` that can be found without data: the sections
     (``config_errors``), the task's fields, ``init_from`` and the mesh."""
@@ -513,10 +591,9 @@ def main(
         errors = [note] + [e for e in errors if not e.startswith("task.name=")]
     if errors:  # alone: after a screen of config, the line would scroll out of sight
         return fail(one_line(errors, config))
-    if fv.print_config or fv.dry_run:
-        if primary:
-            out.write(str(config))
-            out.flush()
+    if fv.print_config and primary:
+        out.write(str(config))
+        out.flush()
     if fv.print_config:
         return 0
 
@@ -538,6 +615,27 @@ def main(
         resuming = check_resume(output_dir, config)
     except ConfigError as e:
         return fail(config_error(e))
+    # The compiled step's size: always with --dry_run, and before a large run does any
+    # work (one that cannot fit the device is refused here, not after minutes of compile).
+    large = attention_pairs(config) > LARGE_STEP_PAIRS
+    estimate: dict[str, float] | str = "not asked"
+    if fv.dry_run or large:
+        estimate = step_estimate(config)
+        if not isinstance(estimate, str):
+            too_big = size_error(config, estimate)
+            if too_big is not None:
+                return fail(too_big)
+    if fv.dry_run and primary:  # after every check: an error comes alone
+        out.write(str(config))
+        if isinstance(estimate, str):
+            out.write(f"compiled train step: no estimate ({estimate})\n")
+    if (fv.dry_run or large) and primary and not isinstance(estimate, str):
+        out.write(
+            f"{'compiled train step' if fv.dry_run else 'note: one train step'}: "
+            f"{describe_estimate(estimate)}; attention scores {attention_pairs(config):.3g} "
+            "query-key pairs per step (batch x heads x layers x length^2)\n"
+        )
+        out.flush()
     if fv.dry_run:
         what = "resume the run in" if resuming else "train a new run in"
         out.write(f"config OK; would {what} {output_dir}\n")
