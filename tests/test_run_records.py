@@ -300,8 +300,9 @@ def test_a_second_trainer_into_a_folder_in_use_is_refused(tmp_path, shared_compi
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 0
-    RunLock(str(out)).release()  # the lock went with the first run
+    assert first.returncode == cli.STOPPED_EXIT  # stopped by the SIGTERM, saved
+    assert not (out / ".lock").exists()  # the lock (and its file) went with the first run
+    RunLock(str(out)).release()
 
 
 def test_run_lock_is_exclusive_and_released(tmp_path):
