@@ -61,6 +61,13 @@ def test_non_finite_float_fields_are_refused_once_before_anything(field, value, 
     assert not out.exists()
 
 
+def test_a_step_count_beyond_int32_is_refused(tmp_path):
+    status, stdout, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke", "--config.train.num_steps=1000000000000"
+    )
+    assert_one_line(status, stdout, err, "config.train.num_steps=1000000000000 exceeds 2147483647")
+
+
 def test_adam_epsilon_must_be_positive(tmp_path):
     lra = os.path.join(ROOT, "configs", "lra", "listops.py")
     status, stdout, err = run_train(

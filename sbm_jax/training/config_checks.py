@@ -292,10 +292,18 @@ def check_model(model: Any, errors: list[str]) -> None:
     check_attention_options(model, errors)
 
 
+#: The largest step count: ``TrainState.step`` and the schedules' step are int32.
+MAX_STEP = 2**31 - 1
+
+
 def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     """Append a message per bad ``train.*`` field to ``errors``."""
     for name in ("batch_size", "num_steps", "log_every"):
         _positive_int(errors, train, "train", name)
+    for name in ("num_steps", "warmup_steps", "log_every", "eval_every"):
+        value = train.get(name, 0)
+        if isinstance(value, int) and value > MAX_STEP:
+            errors.append(f"train.{name}={value} exceeds {MAX_STEP} (the step counter is an int32)")
     batch = train.get("batch_size")
     if isinstance(batch, int) and batch > 0 and batch % device_count:
         errors.append(
