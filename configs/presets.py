@@ -41,6 +41,33 @@ class Preset:
     task: str = ""  # task=NAME: GLUE task ("" when not given)
 
 
+class PresetListing(Exception):  # noqa: N818 (a signal to the caller, not an error)
+    """What a config accepts, raised by :func:`parse_preset` under :func:`listing`
+    (the trainer's ``--list_presets``) instead of parsing."""
+
+    def __init__(
+        self, mechanisms: Sequence[str], scales: Sequence[str], keys: Sequence[str], default: str
+    ):
+        super().__init__("preset listing")
+        self.mechanisms, self.scales, self.keys = tuple(mechanisms), tuple(scales), tuple(keys)
+        self.default_mechanism = default
+
+
+_LISTING = [False]
+
+
+class listing:  # noqa: N801 (a context manager used as ``with presets.listing():``)
+    """Within it, :func:`parse_preset` raises :class:`PresetListing` with the words it
+    would accept: how ``--list_presets`` reads any config's presets without each
+    config listing them a second time."""
+
+    def __enter__(self) -> None:
+        _LISTING[0] = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _LISTING[0] = False
+
+
 def parse_preset(
     arg: str | None,
     *,
@@ -58,6 +85,8 @@ def parse_preset(
       ValueError naming the bad part and what is accepted instead, or the two parts
       that set the same thing (two mechanisms, two scales, two seeds...).
     """
+    if _LISTING[0]:
+        raise PresetListing(mechanisms, scales, keys, default_mechanism)
     unknown = set(keys) - set(KEYS)
     if unknown:
         raise ValueError(f"parse_preset: keys {sorted(unknown)} are not among {KEYS}")

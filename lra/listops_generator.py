@@ -146,6 +146,23 @@ def _apply(op_index: int, args: list[int]) -> int:
     return sum(args) % 10  # "[SM"
 
 
+def evaluate(ids: np.ndarray) -> int:
+    """The value of the expression of token ids ``ids`` (as ``vocab.encode_listops``
+    gives them; a well-formed expression, ``vocab.check_listops_expression``)."""
+    stack: list[list[int]] = [[]]
+    ops: list[int] = []
+    for token in np.asarray(ids).tolist():
+        if token in _OP_IDS:
+            ops.append(_OP_IDS.index(token))
+            stack.append([])
+        elif token == _CLOSE_ID:
+            args = stack.pop()
+            stack[-1].append(_apply(ops.pop(), args))
+        else:
+            stack[-1].append(_DIGIT_IDS.index(token))
+    return stack[0][0]
+
+
 def _draw_node(rng: random.Random, depth: int, p: ListOpsParams, out: list[int]) -> int:
     """Appends one subtree's token ids to `out` and returns its value."""
     if len(out) >= p.max_length:

@@ -45,6 +45,7 @@ from sbm_jax.training.task import (
     classification_loss,
     default_model_inputs,
     dual_encoder_model_inputs,
+    may_prepare_data,
 )
 
 SOURCES = ("tfds", "generated", "mock")
@@ -130,19 +131,60 @@ def prepare_generated(task: str, config: Any, data_dir: str) -> None:
         print(f"{task} dataset {config.name!r} was written by another process; using it")
 
 
-def _data_config(task: str, cfg: Any) -> str | None:
-    """The builder config name to read; for source="generated" the dataset is prepared
-    under data_dir first if missing."""
+def _named_prepared(task: str, cfg: Any) -> str | None:
+    """With source="generated": the prepared dataset ``task.data_config`` names instead
+    of the one ``task.generate`` describes (None when it names none, or that one).
+
+    Raises:
+      ValueError: naming ``task.data_config`` when no such dataset is prepared.
+    """
+    named = str(cfg.get("data_config") or "")
+    if not named or named == generated_config(task, cfg).name:
+        return None
+    try:
+        input_pipeline.dataset_dir(data_dir_of(cfg), task, named)
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"task.data_config={named!r}: {e} (or leave task.data_config empty to generate "
+            "the dataset task.generate describes)"
+        ) from None
+    return named
+
+
+def _data_config(task: str, cfg: Any, announce: bool = False) -> str | None:
+    """The builder config name to read; for source="generated" the dataset
+    ``task.data_config`` names when it is prepared (``lra.prepare``'s), else the one
+    ``task.generate`` describes, prepared under data_dir first if missing. With
+    ``announce``, says which (and which other prepared datasets it leaves aside)."""
     data_dir = data_dir_of(cfg)
     if cfg.source == "generated":
         if task not in ("listops", "pathfinder"):
             raise ValueError(
                 f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
             )
+        named = _named_prepared(task, cfg)
+        if named is not None:
+            if announce and jax.process_index() == 0:
+                print(
+                    f"task.data_config={named!r}: training on that prepared {task} dataset in "
+                    f"{data_dir} (task.generate describes another and is not used)",
+                    flush=True,
+                )
+            return named
         config = generated_config(task, cfg)
         try:
             input_pipeline.dataset_dir(data_dir, task, config.name)
         except FileNotFoundError:
+            if not may_prepare_data.get():
+                raise
+            others = input_pipeline.prepared_configs(data_dir, task)
+            if announce and others and jax.process_index() == 0:
+                print(
+                    f"note: generating {task} dataset {config.name!r} in {data_dir} from "
+                    f"task.generate; prepared there already: {', '.join(others)} (to train on "
+                    "one, set task.data_config to its name)",
+                    flush=True,
+                )
             prepare_generated(task, config, data_dir)
         return config.name
     return cfg.get("data_config") or None
@@ -162,7 +204,7 @@ def open_sources(task: str, config: Any) -> dict[str, Any]:
             for split in ("train", "validation", "test")
         }
     data_dir = data_dir_of(cfg)
-    data_config = _data_config(task, cfg)
+    data_config = _data_config(task, cfg, announce=True)
     return {
         split: input_pipeline.open_split(data_dir, task, split, data_config)
         for split in ("train", "validation", "test")
@@ -238,12 +280,19 @@ def check_config(task: str, config: Any) -> None:
         n = cfg.get("mock_examples", 64)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"task.mock_examples={n!r} must be >= 1")
+        if cfg.get("data_config"):
+            raise ValueError(
+                f"task.data_config={cfg.get('data_config')!r} does not apply to "
+                "task.source='mock' (random examples, no dataset read); clear it or set "
+                "task.source"
+            )
     if cfg.source == "generated":
         if task not in ("listops", "pathfinder"):
             raise ValueError(
                 f"task.source='generated' only applies to listops and pathfinder, not {task!r}"
             )
         generated = generated_config(task, cfg)
+        _named_prepared(task, cfg)  # a named dataset must exist: refused before any work
         for split in ("train", "validation", "test"):
             size = getattr(generated, f"num_{split}")
             if size < 1:

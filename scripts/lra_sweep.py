@@ -17,8 +17,8 @@ config.json equals the config this sweep asks for: a sweep at another ``--scale`
 with other overrides on the same root starts the trainer, which extends the run where
 the change is safe (``train.num_steps``, ...) and otherwise refuses in one line naming
 the fields, so a finished run of one config is never reported as a run of another. An
-interrupted run resumes from its checkpoint; a trainer that exits 0 without
-summary.json (stopped by a signal) counts as unfinished. SIGINT / SIGTERM / SIGHUP to
+interrupted run resumes from its checkpoint; a trainer stopped by a signal (exit 75,
+no summary.json) counts as unfinished, not failed. SIGINT / SIGTERM / SIGHUP to
 the sweep are passed to the running trainer (it saves its latest checkpoint), the sweep
 waits for it and stops; rerunning the command resumes. ``--dry_run`` prints what it
 would do instead. Summaries go to ``lra_report.py``.
@@ -44,6 +44,9 @@ from sbm_jax import script_usage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
+#: The trainer's exit status for a run a signal stopped after saving
+#: (``sbm_jax.training.cli.STOPPED_EXIT``; not imported, which would load JAX here).
+STOPPED_EXIT = 75
 
 _TASKS = flags.DEFINE_list("tasks", list(TASKS), "LRA tasks.")
 _MECHANISMS = flags.DEFINE_list("mechanisms", ["sbm", "full"], "Attention mechanisms.")
@@ -203,12 +206,13 @@ def main(argv: list[str]) -> None:
             code = forward.child.wait()
             forward.child = None
         done = os.path.exists(os.path.join(directory, "summary.json"))
-        if code == 0 and not done:
+        # The trainer exits 75 when a signal stopped it after saving (0 before it did).
+        if code in (0, STOPPED_EXIT) and not done:
             print(f"  stopped before the end -> {directory}", flush=True)
             unfinished.append(directory)
         else:
             print(f"  exit {code} -> {directory}", flush=True)
-        if code:
+        if code and code != STOPPED_EXIT:
             failed.append(directory)
             reason = _last_error(os.path.join(directory, "train.log"))
             if reason:

@@ -11,7 +11,8 @@ metrics.png, TensorBoard events, checkpoints/{latest,best}/ and summary.json int
 output directory (default runs/<config.name>-<timestamp>; an existing run in
 --output_dir is resumed if its config matches) and prints a one-line summary. See
 ``sbm_jax/training/cli.py`` for the order of the checks and the exit statuses (2: a user
-error, printed as one line; 3: a non-finite step).
+error, printed as one line; 3: a non-finite step; 74: no space left under the run's
+folder; 75: stopped by a signal after saving, resumable).
 """
 
 from __future__ import annotations

@@ -66,10 +66,10 @@ def _fake_trainer(calls: list, lra_sweep, finish: bool = True):
                     f.write("{}")
 
         def wait(self):
-            return 0
+            return 0 if finish else lra_sweep.STOPPED_EXIT  # as the trainer exits
 
         def poll(self):
-            return 0
+            return self.wait()
 
     return FakeTrainer
 
@@ -79,7 +79,7 @@ def test_a_finished_run_of_another_config_is_not_done_and_a_stopped_one_is_unfin
 ):
     """A sweep at another --scale (or with other overrides) on the same root used to skip
     the finished runs as done, and lra_report then reported smoke numbers as paper ones;
-    a trainer stopped by a signal exits 0 without summary.json and was counted a success."""
+    a trainer stopped by a signal (exit 75, no summary.json) is unfinished, not failed."""
     from scripts import lra_sweep
 
     calls = []
@@ -116,7 +116,10 @@ def test_a_finished_run_of_another_config_is_not_done_and_a_stopped_one_is_unfin
         assert exit_info.value.code == 1 and len(stopped) == 1
         captured = capsys.readouterr()
         assert "stopped before the end" in captured.out
-        assert "1 run(s) unfinished" in captured.err
+        assert "1 run(s) unfinished" in captured.err and "failed" not in captured.err
+        from sbm_jax.training import cli
+
+        assert lra_sweep.STOPPED_EXIT == cli.STOPPED_EXIT
     finally:
         flags.FLAGS.unparse_flags()
         forget_script("scripts.lra_sweep")

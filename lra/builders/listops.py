@@ -168,4 +168,10 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
             if ids.size == 0:
                 raise common.MalformedFileError(path, line, "Source has no tokens")
             label = common.parse_label(target, 10, path, line, "Target")
+            value = listops_generator.evaluate(ids)
+            if label != value:
+                # A shifted or hand-edited file: trained on, it would teach noise.
+                raise common.MalformedFileError(
+                    path, line, f"Target {label} is not the value of its Source, {value}"
+                )
             yield f"{os.path.basename(path)}:{line}", {"inputs": ids, "targets": label}

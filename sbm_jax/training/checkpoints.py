@@ -19,11 +19,13 @@ restore (orbax coordinates them; each process writes its own shards).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging as logging_std
 import os
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,7 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from sbm_jax.training.errors import ConfigError
+from sbm_jax.training.errors import ConfigError, NoSpaceError, is_no_space
 from sbm_jax.training.run_dir import write_atomically
 from sbm_jax.training.state import TrainState
 
@@ -92,14 +94,128 @@ def _save_to(
     step = int(state.step) if step is None else int(step)
     if step in manager.all_steps():
         return
-    with _quiet():
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta)
-            ),
+    _check_space(os.fspath(manager.directory), state, step)
+    undo = _silence_failed_writes()
+    try:
+        with _quiet():
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            manager.wait_until_finished()
+    except Exception as e:
+        if not is_no_space(e):
+            undo()
+            raise
+        # The silencing stays (orbax's abandoned writes report until exit). Orbax leaves
+        # its half-written <step>.orbax-checkpoint-tmp-* folder behind: removed.
+        directory = os.fspath(manager.directory)
+        for tmp in glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise NoSpaceError(
+            f"no space left on the device holding {directory} (saving the checkpoint of "
+            f"step {step}; its partial copy is removed)"
+        ) from None
+    undo()
+
+
+def _mentions_no_space(record: logging_std.LogRecord) -> bool:
+    try:
+        text = record.getMessage()
+    except Exception:  # noqa: BLE001 (a malformed record is not ours to judge)
+        text = ""
+    texts = ("No space left on device", "Disk quota exceeded", "Event loop is closed")
+    return is_no_space(record.exc_info[1] if record.exc_info else None) or any(
+        t in text for t in texts
+    )
+
+
+class _NoSpaceFilter(logging_std.Filter):
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return not _mentions_no_space(record)
+
+
+def _silence_failed_writes() -> Callable[[], None]:
+    """Drop the reports of a save that fails for lack of space; returns the undo.
+
+    Orbax's and TensorStore's writer threads each log the failure with a traceback
+    (absl's logger), their futures and closed event loop report again through the
+    ``asyncio`` logger, ``threading.excepthook`` and ``sys.unraisablehook``: a hundred
+    lines burying the one that says what happened (``NoSpaceError``). Only reports of a
+    full disk are dropped."""
+    log_filter = _NoSpaceFilter()
+    loggers = [logging_std.getLogger(n) for n in ("absl", "asyncio", "")]
+    for logger in loggers:
+        logger.addFilter(log_filter)
+    handlers = [h for logger in loggers for h in logger.handlers]
+    for handler in handlers:
+        handler.addFilter(log_filter)
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+
+    def unraisable(info: Any) -> None:
+        closed = isinstance(info.exc_value, RuntimeError) and "Event loop is closed" in str(
+            info.exc_value
         )
-        manager.wait_until_finished()
+        if not (closed or is_no_space(info.exc_value)):
+            previous_unraisable(info)
+
+    def thread_hook(args: Any) -> None:
+        if not is_no_space(args.exc_value):
+            previous_thread(args)
+
+    sys.unraisablehook, threading.excepthook = unraisable, thread_hook
+
+    def undo() -> None:
+        for logger in loggers:
+            logger.removeFilter(log_filter)
+        for handler in handlers:
+            handler.removeFilter(log_filter)
+        if sys.unraisablehook is unraisable:
+            sys.unraisablehook = previous_unraisable
+        if threading.excepthook is thread_hook:
+            threading.excepthook = previous_thread
+
+    return undo
+
+
+#: Room kept beyond the last checkpoint's size (meta grows a little), and beyond the raw
+#: state bytes before the first checkpoint (orbax's metadata, sharding file and locks).
+_SPACE_MARGIN = 64 << 10
+_FIRST_SAVE_MARGIN = 192 << 10
+
+
+def _checkpoint_bytes(directory: str, state: TrainState) -> int:
+    """About what one checkpoint of ``state`` takes on disk: the largest one already in
+    ``directory`` (compressed, as orbax writes them), else the state's raw bytes."""
+    sizes = []
+    for entry in os.listdir(directory) if os.path.isdir(directory) else ():
+        if entry.isdigit():
+            total = 0
+            for root, _, files in os.walk(os.path.join(directory, entry)):
+                total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+            sizes.append(total)
+    if sizes:
+        return max(sizes) + _SPACE_MARGIN
+    leaves = jax.tree.leaves(_tree(state))
+    return sum(int(getattr(x, "nbytes", 8)) for x in leaves) + _FIRST_SAVE_MARGIN
+
+
+def _check_space(directory: str, state: TrainState, step: int) -> None:
+    """Raise ``NoSpaceError`` before a save that cannot fit the free space under
+    ``directory``: a save that fails half-way floods stderr from orbax's threads and
+    leaves a temporary folder behind (removed by ``_save_to`` if it happens anyway)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return
+    need = _checkpoint_bytes(directory, state)
+    if free < need:
+        raise NoSpaceError(
+            f"no space left on the device holding {directory}: the checkpoint of step "
+            f"{step} needs about {need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free"
+        )
 
 
 def _restore_from(

@@ -11,10 +11,22 @@ the mesh against the devices); with ``--print_config`` print it and stop; find t
 directory and, when it holds a run, check that this config may resume it; with
 ``--dry_run`` stop there; then build the task (data is read or generated only now) and
 train. Every user error is one line on stderr, ``error: ...``, and exit status 2, with
-nothing written. Exit status 0: the run finished, or SIGTERM / Ctrl-C / SIGHUP stopped it after
-saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; the
-same command with ``--output_dir`` set to that directory resumes it); 3: a non-finite
-loss or gradient halted it (the message names the step and the saved replay state).
+nothing written (``--print_config`` with a bad value prints the error alone).
+
+Exit statuses: 0: the run finished; 2: a user error; 3: a non-finite loss or gradient
+halted it (the message names the step and the saved replay state); 74: the disk (or
+quota) holding the run's folder is full (one line naming the folder; the records end at
+the last whole line and no temporary checkpoint is left; free space and run again to
+resume); 75 (EX_TEMPFAIL, "try again"): SIGTERM / Ctrl-C / SIGHUP stopped it after
+saving its latest checkpoint (the printed line says "stopped at step N (SIGTERM)"; no
+summary.json is written; the same command with ``--output_dir`` set to that directory
+resumes it), so that ``train && next`` stops and a scheduler can requeue it; 130:
+Ctrl-C before training started. A second signal ends the process at once without
+saving (the shell shows 128 + the signal: 143 for SIGTERM). ``metrics.jsonl`` is strict
+JSON, one record per line: a NaN or infinite value is written as ``null``.
+
+``--workdir=DIR`` is ``--output_dir=DIR``; ``--list_presets`` lists the presets the
+``--config`` file accepts.
 
 Any option of the configured attention mechanism may be set with
 ``--config.model.attention_options.<option>=...`` even when the preset does not list
@@ -45,10 +57,18 @@ from sbm_jax.training.config_checks import (
     closest_field,
     config_errors,
     one_line,
+    without_repeats,
 )
 
 USAGE_EXIT = 2
 NONFINITE_EXIT = 3
+#: A run stopped by SIGTERM, Ctrl-C or SIGHUP after saving its latest checkpoint:
+#: sysexits' EX_TEMPFAIL ("try again later"), so that ``train && next`` stops and a
+#: scheduler requeues it; distinct from 143 / 130, what the shell shows when a signal
+#: (a second one) ended the process without saving.
+STOPPED_EXIT = 75
+#: The disk (or quota) under the run's folder is full: nothing half-written is left.
+NO_SPACE_EXIT = 74
 INTERRUPTED_EXIT = 130
 
 HELP = """\
@@ -61,9 +81,11 @@ Train a model on the task its config names, through the one trainer.
   --config.train.num_steps=500               override any field of it
   --print_config                             print the resolved config, check it, exit
   --dry_run                                  also say where it would train, then exit
+  --list_presets                             list the presets the config file accepts
   --output_dir=DIR                           the run's directory; an existing run there
                                              is resumed if its config matches (default:
-                                             config.output_dir or runs/<name>-<time>)
+                                             config.output_dir or runs/<name>-<time>);
+                                             --workdir=DIR is the same flag
 
 To list a preset's fields (every one can be overridden):
   {prog} --config=configs/lra/listops.py:sbm,smoke --print_config
@@ -130,6 +152,38 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         return get_config(arg) if arg is not None else get_config()
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"--config={spec}: {e}") from None
+
+
+def list_presets(spec: str) -> str:
+    """The presets the config file of ``spec`` accepts, as ``--list_presets`` prints
+    them (read from its ``get_config``'s call of ``configs.presets.parse_preset``).
+
+    Raises:
+      ConfigError: naming ``--config`` for a missing file or one that does not parse
+        its preset with ``parse_preset``.
+    """
+    given, _ = _split_spec(spec)
+    path = resolve_config_path(given)
+    if path is None:
+        raise ConfigError(f"--config={spec}: no such file {given!r}")
+    from configs import presets
+
+    try:
+        with presets.listing():
+            load_config_file(given)
+    except presets.PresetListing as found:
+        forms = {"lambda": "lambda=<float>", "seed": "seed=<int>", "task": "task=<name>"}
+        lines = [
+            f"presets of {given} (--config={given}:<part>,<part>...; parts in any order):",
+            f"  mechanisms: {', '.join(found.mechanisms)} (default: {found.default_mechanism})",
+            f"  scales:     {', '.join(found.scales)} (default: {found.scales[0]})",
+        ]
+        if found.keys:
+            lines.append(f"  settings:   {', '.join(forms[k] for k in found.keys)}")
+        example = f"{found.default_mechanism},{found.scales[-1]}"
+        lines.append(f"e.g. --config={given}:{example} --print_config")
+        return "\n".join(lines) + "\n"
+    raise ConfigError(f"--config={spec}: {path!r} takes no preset (its get_config ignores it)")
 
 
 def _overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -247,6 +301,11 @@ def _define_flags(fv: Any, config: Any, argv: Sequence[str]) -> None:
         "resumed when its config matches.",
         flag_values=fv,
     )
+    # The flax examples' and big_vision's name for it.
+    flags.DEFINE_alias("workdir", "output_dir", flag_values=fv)
+    flags.DEFINE_bool(
+        "list_presets", False, "List the presets the --config file accepts, exit.", flag_values=fv
+    )
     flags.DEFINE_bool(
         "print_config", False, "Print the resolved config, check it, exit.", flag_values=fv
     )
@@ -319,6 +378,84 @@ def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None
     )
 
 
+#: Query-key pairs per step (batch x heads x layers x length^2) above which a run has
+#: its train step compiled on abstract state before any work, to refuse one that cannot
+#: fit in memory (``--dry_run`` always does it): far above any test or CPU preset.
+LARGE_STEP_PAIRS = 2**34
+
+
+def _length(config: Any) -> tuple[str, int]:
+    """The field that sets the sequence length, and the longest input length."""
+    task, model = config.get("task") or {}, config.model
+    for name in ("seq_len", "max_length", "max_seq_length"):
+        value = task.get(name) if hasattr(task, "get") else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"task.{name}", int(model.get("max_len") or value)
+    return "model.max_len", int(model.get("max_len") or 0)
+
+
+def attention_pairs(config: Any) -> int:
+    """Query-key pairs one training step scores: batch x heads x layers x length^2."""
+    model = config.model
+    _, length = _length(config)
+    return (
+        int(config.train.batch_size)
+        * int(model.get("num_heads") or 1)
+        * int(model.get("num_layers") or 1)
+        * length
+        * length
+    )
+
+
+def step_estimate(config: Any) -> dict[str, float] | str:
+    """XLA's memory / FLOPs estimate of the compiled train step, or why there is none
+    (the data is not prepared yet, the task cannot be built without writing)."""
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training.task import may_prepare_data
+    from sbm_jax.training.trainer import compiled_step_estimate
+
+    token = may_prepare_data.set(False)
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            task = build_task(copy.deepcopy(config))
+            return compiled_step_estimate(copy.deepcopy(config), task)
+    except (FileNotFoundError, ValueError, ImportError, OSError) as e:
+        return f"the task cannot be built without preparing its data: {_last_line(str(e))}"
+    finally:
+        may_prepare_data.reset(token)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def describe_estimate(estimate: Mapping[str, float]) -> str:
+    """``"0.1 GiB per device (of 24 GiB), 3.2 GFLOPs per step (XLA's estimates)"``."""
+    device = estimate.get("device_bytes") or 0
+    of = f" (of {_gib(device)})" if device else ""
+    flops = estimate.get("flops") or 0
+    work = f", {flops / 1e9:.3g} GFLOPs per step" if flops else ""
+    # XLA counts a loop's body once: the streamed attention's FLOPs are a lower bound.
+    return (
+        f"{_gib(estimate['memory_bytes'])} per device{of}{work} (XLA's estimates; FLOPs "
+        "inside loops counted once)"
+    )
+
+
+def size_error(config: Any, estimate: Mapping[str, float]) -> str | None:
+    """One line when the compiled step needs more memory than the device has."""
+    need, have = estimate["memory_bytes"], estimate.get("device_bytes") or 0
+    if not have or need <= have:
+        return None
+    field, length = _length(config)
+    return (
+        f"config.{field}={length} with config.train.batch_size={config.train.batch_size}: one "
+        f"training step needs about {_gib(need)} per device (XLA's estimate of the compiled "
+        f"step), more than the {_gib(have)} this machine's device has; shorten the sequence, "
+        "lower the batch (or set train.max_per_device_batch), or use model.remat=True"
+    )
+
+
 def check_config(config: Any) -> list[str]:
     """Every problem of ``config`` that can be found without data: the sections
     (``config_errors``), the task's fields, ``init_from`` and the mesh."""
@@ -327,7 +464,7 @@ def check_config(config: Any) -> list[str]:
     from sbm_jax.training.sharding import mesh_from_config
 
     errors = config_errors(config)
-    errors += task_config_errors(config)
+    errors = without_repeats(errors, task_config_errors(config))
     if config.get("init_from"):
         try:
             find_checkpoint(str(config.init_from))
@@ -420,6 +557,15 @@ def main(
         _print_help(prog, fv, out)
         return 0
     skipped = import_task_modules(task_modules)
+    if "--list_presets" in argv[1:]:
+        spec = _config_spec(argv)
+        if not spec:
+            return fail("--list_presets needs --config=CONFIG.py (e.g. configs/synthetic.py)")
+        try:
+            out.write(list_presets(spec))
+        except ConfigError as e:
+            return fail(str(e))
+        return 0
     try:
         config = parse_config(argv, fv, define_extra)
     except ConfigError as e:
@@ -443,12 +589,11 @@ def main(
     note = unavailable_task_note(config, skipped)
     if note is not None:
         errors = [note] + [e for e in errors if not e.startswith("task.name=")]
-    if fv.print_config or fv.dry_run:
-        if primary:
-            out.write(str(config))
-            out.flush()
-    if errors:
+    if errors:  # alone: after a screen of config, the line would scroll out of sight
         return fail(one_line(errors, config))
+    if fv.print_config and primary:
+        out.write(str(config))
+        out.flush()
     if fv.print_config:
         return 0
 
@@ -470,6 +615,27 @@ def main(
         resuming = check_resume(output_dir, config)
     except ConfigError as e:
         return fail(config_error(e))
+    # The compiled step's size: always with --dry_run, and before a large run does any
+    # work (one that cannot fit the device is refused here, not after minutes of compile).
+    large = attention_pairs(config) > LARGE_STEP_PAIRS
+    estimate: dict[str, float] | str = "not asked"
+    if fv.dry_run or large:
+        estimate = step_estimate(config)
+        if not isinstance(estimate, str):
+            too_big = size_error(config, estimate)
+            if too_big is not None:
+                return fail(too_big)
+    if fv.dry_run and primary:  # after every check: an error comes alone
+        out.write(str(config))
+        if isinstance(estimate, str):
+            out.write(f"compiled train step: no estimate ({estimate})\n")
+    if (fv.dry_run or large) and primary and not isinstance(estimate, str):
+        out.write(
+            f"{'compiled train step' if fv.dry_run else 'note: one train step'}: "
+            f"{describe_estimate(estimate)}; attention scores {attention_pairs(config):.3g} "
+            "query-key pairs per step (batch x heads x layers x length^2)\n"
+        )
+        out.flush()
     if fv.dry_run:
         what = "resume the run in" if resuming else "train a new run in"
         out.write(f"config OK; would {what} {output_dir}\n")
@@ -494,10 +660,23 @@ def main(
     except KeyboardInterrupt:
         err.write("interrupted\n")
         return INTERRUPTED_EXIT
+    except Exception as e:
+        from sbm_jax.training.errors import NoSpaceError, is_no_space
+
+        if isinstance(e, NoSpaceError):
+            return fail(f"{e}; free space and run the same command to resume", NO_SPACE_EXIT)
+        if is_no_space(e):
+            return fail(
+                f"no space left on the device holding {output_dir} (writing the run's "
+                "records; they end at the last whole line); free space and run the same "
+                "command to resume",
+                NO_SPACE_EXIT,
+            )
+        raise
     if primary:
         out.write(format_run_summary(summary) + "\n")
         out.flush()
-    return 0
+    return STOPPED_EXIT if "stopped_at" in summary else 0
 
 
 def run(argv: Sequence[str] | None = None, **kwargs: Any) -> None:
@@ -509,4 +688,10 @@ def run(argv: Sequence[str] | None = None, **kwargs: Any) -> None:
     except BaseException:
         traceback.print_exc()
         status = 1
+    if status == NO_SPACE_EXIT:
+        # The one line is out; what a failed write's background threads (orbax,
+        # TensorStore, asyncio) print at exit would bury it.
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
     sys.exit(status)

@@ -176,7 +176,10 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
         elif name in options or name in known:
             errors.append(f"model.attention_options.{message}")
         elif name in ("num_heads", "head_dim", "out_dim", "attention_dropout"):
-            errors.append(f"model.{message}")
+            # The same field's own check (check_model) has already said so: one message.
+            field = "emb_dim" if name == "out_dim" else name
+            if not any(e.startswith(f"model.{field}=") for e in errors):
+                errors.append(f"model.{message}")
         else:
             errors.append(f"model.attention_options (attention {model.attention!r}): {message}")
 
@@ -289,10 +292,18 @@ def check_model(model: Any, errors: list[str]) -> None:
     check_attention_options(model, errors)
 
 
+#: The largest step count: ``TrainState.step`` and the schedules' step are int32.
+MAX_STEP = 2**31 - 1
+
+
 def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     """Append a message per bad ``train.*`` field to ``errors``."""
     for name in ("batch_size", "num_steps", "log_every"):
         _positive_int(errors, train, "train", name)
+    for name in ("num_steps", "warmup_steps", "log_every", "eval_every"):
+        value = train.get(name, 0)
+        if isinstance(value, int) and value > MAX_STEP:
+            errors.append(f"train.{name}={value} exceeds {MAX_STEP} (the step counter is an int32)")
     batch = train.get("batch_size")
     if isinstance(batch, int) and batch > 0 and batch % device_count:
         errors.append(
@@ -302,6 +313,9 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     lr = train.get("learning_rate")
     if not isinstance(lr, (int, float)) or lr <= 0:
         errors.append(f"train.learning_rate={lr!r} must be a positive number")
+    eps = train.get("eps", 1e-8)  # Adam's denominator term: 0 divides by zero at a flat start
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        errors.append(f"train.eps={eps!r} must be a positive number")
     warmup, steps = train.get("warmup_steps"), train.get("num_steps")
     if not isinstance(warmup, int) or warmup < 0:
         errors.append(f"train.warmup_steps={warmup!r} must be a non-negative integer")
@@ -426,6 +440,33 @@ def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
             return
 
 
+def nonfinite_fields(config: Any, prefix: str = "") -> list[str]:
+    """``"<field>=nan must be a finite number"`` for every float field of ``config``
+    (any section, attention options included) that holds NaN or an infinity: no field
+    of these configs means anything at a non-finite value, and a NaN learning rate or
+    weight decay would otherwise train until the non-finite guard halts the run."""
+    out = []
+    items = config.items() if hasattr(config, "items") else ()
+    for key, value in items:
+        if hasattr(value, "items"):
+            out += nonfinite_fields(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            out.append(f"{prefix}{key}={value!r} must be a finite number")
+    return out
+
+
+def without_repeats(first: list[str], others: Iterable[str]) -> list[str]:
+    """``first`` then those of ``others`` about a field no message of ``first`` names
+    (a NaN is reported once, as non-finite, not again by the field's own range check)."""
+    fields = [m.split("=", 1)[0] for m in first]
+
+    def named(message: str) -> bool:
+        bare = message.removeprefix("config.")
+        return any(bare.startswith((f"{f}=", f"{f} ")) for f in fields)
+
+    return first + [m for m in others if not named(m)]
+
+
 def config_errors(
     config: Any, *, head: str | None = None, device_count: int | None = None
 ) -> list[str]:
@@ -461,13 +502,14 @@ def config_errors(
     check_train(config.train, device_count, errors)
     check_checkpoint(config.get("checkpoint") or {}, errors)
     check_mesh(config.get("mesh") or {}, config.model, errors)
-    if not errors:  # the sizes below assume the fields checked above
+    nonfinite = nonfinite_fields(config)
+    if not errors and not nonfinite:  # the sizes below assume the fields checked above
         check_sbm_paths(config, device_count, errors)
     for name in ("output_dir", "init_from"):
         value = config.get(name, "")
         if not isinstance(value, str):
             errors.append(f"{name}={value!r} must be a path (a string)")
-    return errors
+    return without_repeats(nonfinite, errors)
 
 
 def validate_config(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -26,6 +27,17 @@ def to_python(value: Any) -> Any:
         x = array.item()
         return float(x) if isinstance(x, (float, np.floating)) else x
     return array.tolist()
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN / inf float (in dicts and lists) replaced by None."""
+    if isinstance(value, Mapping):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 # Record fields that are bookkeeping, not metrics: not sent to TensorBoard.
@@ -132,6 +144,44 @@ class _TensorBoardEvents:
         self._writer.close()
 
 
+class _WholeLines:
+    """A text file appended to only in whole lines: ``write`` buffers, ``flush``
+    appends the buffer and, if that fails (``ENOSPC``), truncates the file back to its
+    size before the append and raises."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pending: list[str] = []
+        with open(path, "a", encoding="utf-8"):
+            pass  # exists from the start, as the records of a run that logged nothing
+
+    def write(self, text: str) -> int:
+        self._pending.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = "".join(self._pending).encode("utf-8")
+        self._pending.clear()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.flush()
+
+
 class MetricsWriter:
     """Appends one JSON record per line to ``metrics.jsonl``, training rows to
     ``metrics.csv`` (columns step, loss, accuracy, density; density empty when the
@@ -156,8 +206,10 @@ class MetricsWriter:
             self.tensorboard_dir = os.path.join(output_dir, TENSORBOARD_DIR)
             self._tb = _TensorBoardEvents(self.tensorboard_dir)
         new_csv = not os.path.exists(self.csv_path) or os.path.getsize(self.csv_path) == 0
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
-        self._csv_file = open(self.csv_path, "a", newline="", encoding="utf-8")  # noqa: SIM115
+        # Lines wait here until flush() appends them whole: a write that fails (a full
+        # disk) is cut back to the last whole line, never leaving half a record.
+        self._jsonl = _WholeLines(self.jsonl_path)
+        self._csv_file = _WholeLines(self.csv_path)
         self._csv = csv.writer(self._csv_file)
         if new_csv:
             self._csv.writerow(CSV_COLUMNS)
@@ -178,7 +230,10 @@ class MetricsWriter:
                     f"MetricsWriter.write: record 'step' must be an integer for TensorBoard, "
                     f"got {step!r}; pass tensorboard=False to log records without a step"
                 )
-        self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        # Strict JSON: NaN / inf are written as null (json.dumps' bare NaN tokens are
+        # not JSON, and jq or a browser refuses the whole file); one write per line.
+        line = json.dumps(finite_or_none(record), sort_keys=True, allow_nan=False) + "\n"
+        self._jsonl.write(line)
         if split == "train":
             self._csv.writerow([record.get(c, "") for c in CSV_COLUMNS])
         if self._tb is not None:

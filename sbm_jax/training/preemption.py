@@ -5,15 +5,19 @@ While the trainer runs (in the main thread) ``StopSignals`` turns SIGTERM, SIGIN
 SIGHUP (the terminal closed: an ssh session dropped without ``nohup``) into a flag; the
 loop checks it after every step (with several processes, at every ``train.log_every``
 boundary, all processes together through ``any_process``), saves the latest checkpoint,
-flushes the metrics and returns ``{"stopped_at": step, ...}``. A second signal acts as
-it would have without the trainer.
+flushes the metrics and returns ``{"stopped_at": step, ...}``. A watcher thread says at
+once on stderr that the first signal was heard ("heard SIGTERM: stopping after the step
+in progress, then saving"), even while a long first compile or step keeps the loop
+away. A second signal acts as it would have without the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import jax
@@ -37,10 +41,16 @@ class StopSignals:
 
     SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
-    def __init__(self) -> None:
+    def __init__(self, stream_fd: int = 2) -> None:
         self.received: str | None = None
+        #: ``time.monotonic()`` when the first signal was acknowledged on ``stream_fd``.
+        self.heard_at: float | None = None
+        self._stream_fd = stream_fd
         self._terminals: list[int] = []
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -56,7 +66,50 @@ class StopSignals:
                 continue
             self._previous[signum] = previous
             signal.signal(signum, self._handle)
+        self._start_watcher()
         return self
+
+    def _start_watcher(self) -> None:
+        """Acknowledge the first signal at once, from a thread: Python runs ``_handle``
+        only when the main thread is back in the interpreter, which a long first
+        compile or step keeps it from for minutes. The C-level handler writes each
+        signal's number to the wake-up fd at once; the thread reads it there."""
+        if not self._previous:
+            return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (read, write)
+        ours = set(self._previous)
+
+        def watch() -> None:
+            while True:
+                try:
+                    data = os.read(read, 64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    if signum in ours and self.heard_at is None:
+                        self.heard_at = time.monotonic()
+                        name = signal.Signals(signum).name
+                        if name == "SIGHUP":  # no terminal to write to
+                            continue
+                        message = (
+                            f"heard {name}: stopping after the step in progress, then saving "
+                            f"(a second {name} stops at once, without saving)\n"
+                        )
+                        with contextlib.suppress(OSError):
+                            os.write(self._stream_fd, message.encode())
+
+        self._watcher = threading.Thread(target=watch, name="stop-signals", daemon=True)
+        self._watcher.start()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
@@ -75,6 +128,15 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._wakeup is not None:
+            read, write = self._wakeup
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(write)  # the watcher reads end-of-file and returns
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            os.close(read)
+            self._wakeup = None
 
 
 def detach_terminal(targets: list[int]) -> None:

@@ -14,6 +14,7 @@ back to the step it resumes from.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -259,8 +260,11 @@ class RunLock:
     instead of interleaving checkpoints and records with the first.
 
     The kernel drops the lock when its holder dies however it dies, so a crash or a
-    preemption never leaves a stale lock behind. Where the file system has no ``flock``
-    (some network mounts, Windows) the run goes on unlocked.
+    preemption never leaves a stale lock behind (the file stays then, unlocked: it
+    means nothing). A run that ends removes the file, still holding the lock; a
+    trainer that opened the file before the removal and locks it after finds that
+    the path no longer names it and starts over with a new file. Where the file
+    system has no ``flock`` (some network mounts, Windows) the run goes on unlocked.
     """
 
     def __init__(self, output_dir: str) -> None:
@@ -270,20 +274,24 @@ class RunLock:
             import fcntl
         except ImportError:  # Windows
             return
-        handle = open(self.path, "a+", encoding="utf-8")  # held until release()
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = " ".join(handle.read().split()) or "another process"
-            handle.close()
-            raise ConfigError(
-                f"output_dir={output_dir!r} is in use by a run that is still training "
-                f"({holder}); wait for it, stop it, or choose another --output_dir"
-            ) from None
-        except OSError:  # no flock on this file system: unlocked
-            handle.close()
-            return
+        while True:
+            handle = open(self.path, "a+", encoding="utf-8")  # held until release()
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = " ".join(handle.read().split()) or "another process"
+                handle.close()
+                raise ConfigError(
+                    f"output_dir={output_dir!r} is in use by a run that is still training "
+                    f"({holder}); wait for it, stop it, or choose another --output_dir"
+                ) from None
+            except OSError:  # no flock on this file system: unlocked
+                handle.close()
+                return
+            if _same_file(handle.fileno(), self.path):
+                break
+            handle.close()  # removed by the run that held it: lock the new file
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -291,10 +299,22 @@ class RunLock:
         self._file = handle
 
     def release(self) -> None:
-        """Drop the lock (the file stays; an unlocked file means nothing)."""
+        """Remove the lock file and drop the lock."""
         if self._file is not None:
+            with contextlib.suppress(OSError):
+                if _same_file(self._file.fileno(), self.path):
+                    os.remove(self.path)
             self._file.close()
             self._file = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _can_write_in(directory: str) -> bool:
@@ -364,10 +384,15 @@ def write_atomically(path: str, text: str) -> None:
     mid-write leaves the old file or the new one, never a truncated one (a truncated
     summary.json would read as a finished run to the sweep and crash the report). The
     text is on disk before the rename (fsync)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk: no half file left beside it
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)
 
 

@@ -11,6 +11,7 @@ task's own ``loss_fn`` must do the same.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -145,3 +146,10 @@ def build_task_model(task: Task, model_config: Any) -> Any:
     from sbm_jax.models import build_model
 
     return build_model(model_config, task.head)
+
+
+#: False while the trainer only checks a config (``--dry_run``): a task whose data
+#: would have to be generated or downloaded first raises ``FileNotFoundError`` instead.
+may_prepare_data: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "may_prepare_data", default=True
+)

@@ -764,6 +764,66 @@ def _train_and_evaluate(
     return summary
 
 
+def compiled_step_estimate(config: Any, task: Task) -> dict[str, float]:
+    """XLA's estimate for one training step of ``config`` on ``task``, from the step
+    compiled on abstract state (nothing trained, nothing written): ``memory_bytes``
+    (arguments + outputs - donated aliases + temporaries, per device), ``flops`` (0 when
+    the backend does not say) and ``device_bytes`` (the device's memory, 0 when unknown;
+    the host's on CPU)."""
+    mesh = mesh_from_config(config)
+    train_cfg = config.train
+    batch_size = int(train_cfg.batch_size)
+    accum = accumulation_steps(
+        batch_size, data_axis_size(mesh), int(train_cfg.get("max_per_device_batch", 0))
+    )
+    halt = bool(train_cfg.get("halt_on_nonfinite", True))
+    rows = process_train_rows(batch_size, accum, mesh)
+    host_batch = next(train_source(task, rows)(0))
+    model = build_task_model(task, config.model)
+    fresh = create_train_state(config, model, task, host_batch)
+    target = abstract_state(fresh, state_sharding(fresh, mesh))
+    del fresh
+    batch = put_micro_batch(split_micro_batches(host_batch, accum), mesh)
+    schedule = (
+        float(train_cfg.learning_rate),
+        int(train_cfg.warmup_steps),
+        int(train_cfg.num_steps),
+        float(train_cfg.end_learning_rate_factor),
+    )
+    train_step = _compiled_steps(
+        task, mesh, float(train_cfg.density_lambda), accum, schedule, halt
+    )[0]
+    args = (target, batch) + ((put_global(np.asarray(False), replicated(mesh)),) if halt else ())
+    jitted = train_step.jitted(target) if hasattr(train_step, "jitted") else train_step
+    compiled = jitted.lower(*args).compile()
+    memory = compiled.memory_analysis()
+    used = 0.0
+    if memory is not None:
+        used = float(
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    flops = float((cost or {}).get("flops", 0.0)) if isinstance(cost, Mapping) else 0.0
+    return {"memory_bytes": used, "flops": max(flops, 0.0), "device_bytes": device_memory()}
+
+
+def device_memory() -> float:
+    """Bytes of memory of one device (its allocator's limit on GPU / TPU), the host's
+    physical memory on CPU; 0 when unknown."""
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        return float(stats.get("bytes_limit", 0))
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def run_training(
     config: Any,
     task: Task,

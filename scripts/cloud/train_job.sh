@@ -7,7 +7,7 @@
 #
 # Settings (environment):
 #   SBM_JOB_PIDFILE      file that gets the trainer's pid (`kill -TERM $(cat it)` stops it
-#                        the way a preemption does: save, then exit 0)
+#                        the way a preemption does: save, then exit 75)
 #   SBM_JOB_DATA_BUCKET  gs:// TFDS dir to copy to SBM_JOB_DATA_DIR first (rsync: only
 #                        what is missing is copied, so a rerun is quick)
 #   SBM_JOB_DATA_DIR

@@ -285,6 +285,10 @@ def test_release_tsvs(fixtures_dir, tmp_path):
         ("[MAX ]\t9", "the operator closed at token 2 has no arguments"),
         ("( [MAX 2 9 ]\t9", "1 '(' left open at the end"),
         ("[MAX 2 9 ] )\t9", "')' at token 5 closes no '('"),
+        # A label that is not the expression's value (by hand: max(2, 9) = 9; the
+        # release's bracketed form of [MED 1 5 2 9 ], whose median rounds down to 3).
+        ("[MAX 2 9 ]\t4", "Target 4 is not the value of its Source, 9"),
+        ("( ( ( ( [MED 1 ) 5 ) 2 ) 9 ) ]\t4", "Target 4 is not the value of its Source, 3"),
     ],
 )
 def test_malformed_release_line_names_file_and_line(fixtures_dir, tmp_path, bad_line, message):
@@ -426,3 +430,40 @@ def test_prepare_command_reports_a_malformed_release_row_in_one_line(fixtures_di
     assert errors == [
         f"error: {manual / 'basic_train.tsv'}:4: 1 operator(s) left open at the end (missing ']')"
     ], proc.stderr[-2000:]
+
+
+def _listops_config(data_dir: str, **task):
+    from sbm_jax.training.cli import load_config_file
+
+    config = load_config_file(
+        os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lra", "listops.py")
+        + ":full,smoke"
+    )
+    config.task.data_dir = data_dir
+    for key, value in task.items():
+        config.task[key] = value
+    return config
+
+
+def test_a_prepared_dataset_named_by_data_config_is_the_one_read(small_listops_dir, capsys):
+    """source='generated' with task.data_config naming a dataset lra.prepare made: that
+    dataset is read (and said so), nothing else is generated; a name that is not
+    prepared is refused by the config check, naming the field and what is there."""
+    from lra import input_pipeline, train_task
+
+    data_dir, name = small_listops_dir
+    before = input_pipeline.prepared_configs(data_dir, "listops")
+    config = _listops_config(data_dir, data_config=name, max_length=64)
+    config.model.max_len = 64
+    train_task.check_config("listops", config)
+    sources = train_task.open_sources("listops", config)
+    assert len(sources["train"]) == 37 and len(sources["test"]) == 5  # its sizes
+    assert f"task.data_config={name!r}: training on that prepared listops dataset" in (
+        capsys.readouterr().out
+    )
+    assert input_pipeline.prepared_configs(data_dir, "listops") == before
+    with pytest.raises(ValueError, match="task.data_config='nope': no prepared LRA 'listops'"):
+        train_task.check_config("listops", _listops_config(data_dir, data_config="nope"))
+    mock = _listops_config(data_dir, data_config=name, source="mock")
+    with pytest.raises(ValueError, match="does not apply to task.source='mock'"):
+        train_task.check_config("listops", mock)
