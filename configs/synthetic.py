@@ -8,9 +8,11 @@ Presets, chosen after the colon and combined with commas:
              (``performer``, ``local``, ...: its defaults, independent query/key init,
              budgets scaled to a quarter of the length as scripts/compare_synthetic.py
              trains them; see :func:`mechanism_options`)
-  length:    paper-length by default (N=256, batch 256, 2000 steps), ``quick`` (the
-             README's job: a few minutes on a 2-core CPU), ``smoke`` (tiny, seconds)
+  length:    paper-length by default (N=256, batch 256, 2000 steps), ``quick`` (a few
+             minutes on a 2-core CPU; ``sbm_pairs,quick`` is the README's job),
+             ``smoke`` (tiny, seconds)
 
+  python scripts/train.py --config=configs/synthetic.py:sbm_pairs,quick
   python scripts/train.py --config=configs/synthetic.py:quick
   python scripts/train.py --config=configs/synthetic.py:full,quick
   python scripts/train.py --config=configs/synthetic.py:sbm --config.train.num_steps=500
