@@ -8,9 +8,11 @@ Presets, chosen after the colon and combined with commas:
              (``performer``, ``local``, ...: its defaults, independent query/key init,
              budgets scaled to a quarter of the length as scripts/compare_synthetic.py
              trains them; see :func:`mechanism_options`)
-  length:    paper-length by default (N=256, batch 256, 2000 steps), ``quick`` (the
-             README's job: a few minutes on a 2-core CPU), ``smoke`` (tiny, seconds)
+  length:    paper-length by default (N=256, batch 256, 2000 steps), ``quick`` (a few
+             minutes on a 2-core CPU; ``sbm_pairs,quick`` is the README's job),
+             ``smoke`` (tiny, seconds)
 
+  python scripts/train.py --config=configs/synthetic.py:sbm_pairs,quick
   python scripts/train.py --config=configs/synthetic.py:quick
   python scripts/train.py --config=configs/synthetic.py:full,quick
   python scripts/train.py --config=configs/synthetic.py:sbm --config.train.num_steps=500
@@ -23,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from configs import presets
+from configs import base, presets
 
 MECHANISMS = ("sbm", "sbm_poisson", "sbm_pairs", "full")  # sbm_*: presets.VARIANTS
 # Option that bounds each mechanism's budget: its default (256 or 64) is more than a
@@ -160,32 +162,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             mechanism_options(mechanism, SEQ_LEN[length])  # defaults, budgets scaled
         )
 
-    config.train = ml_collections.ConfigDict()
-    config.train.batch_size = 256  # sequences per step, a new batch every step (paper: 256)
-    config.train.num_steps = 2000  # optimizer steps (paper: 2000 "epochs" of one batch)
-    config.train.learning_rate = 1e-3  # peak learning rate (paper: 1e-3)
-    config.train.warmup_steps = 0  # linear warm-up steps from 0 to the peak
-    config.train.end_learning_rate_factor = 1.0  # final lr / peak lr (1.0: constant after warm-up)
-    config.train.weight_decay = 0.0  # AdamW decoupled weight decay
-    config.train.b1 = 0.9  # Adam beta1
-    config.train.b2 = 0.999  # Adam beta2
-    config.train.grad_clip_norm = 0.0  # global-norm gradient clipping (0: off)
-    config.train.density_lambda = 0.0  # mean-density regulariser weight (< 0 rewards density)
-    config.train.log_every = 10  # steps between host syncs (every step is still logged)
-    config.train.eval_every = 0  # steps between evaluations (0: only at the end)
-    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
-    #   accumulation over micro-batches (0: the whole per-device share in one pass)
-    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
-
-    config.checkpoint = ml_collections.ConfigDict()
-    config.checkpoint.every_steps = 500  # steps between "latest" checkpoints (also at evals)
-    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
-    config.checkpoint.best_metric = "accuracy"  # eval metric that picks the best checkpoint
-    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
-
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
-    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
+    config.train = base.train_section(
+        batch_size=256,  # sequences per step, a new batch every step (paper: 256)
+        num_steps=2000,  # optimizer steps (paper: 2000 "epochs" of one batch)
+        learning_rate=1e-3,  # peak learning rate (paper: 1e-3)
+    )
+    config.checkpoint = base.checkpoint_section(
+        every_steps=500, best_metric="accuracy", best_mode="max"
+    )
+    config.mesh = base.mesh_section()
 
     if length == "quick":
         config.train.batch_size = 64

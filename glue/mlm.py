@@ -28,6 +28,7 @@ from glue.tokenizer import (
     NUM_SPECIAL,
     TOKENIZER_FILE,
     SpecialIds,
+    check_pretraining_tokenizer,
     encode_texts,
     load_tokenizer,
     special_ids,
@@ -90,8 +91,6 @@ def prepare_tokenizer(config: Any, documents: list[str], run_dir: str | None = N
         path = str(config.data.tokenizer)
         tokenizer = load_tokenizer(path, flag="config.data.tokenizer")
         if run_tokenizer:
-            from glue.tasks import check_pretraining_tokenizer  # glue.tasks imports this module
-
             check_pretraining_tokenizer(tokenizer, path, run_tokenizer)
         return tokenizer
     if run_tokenizer:

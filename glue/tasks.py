@@ -46,10 +46,10 @@ from glue.mlm import (
 from glue.models import transplant_encoder
 from glue.tokenizer import (
     TOKENIZER_FILE,
+    check_pretraining_tokenizer,
     load_tokenizer,
     save_tokenizer,
     special_ids,
-    tokenizer_fingerprint,
 )
 from sbm_jax.tasks import register_task
 from sbm_jax.training.checkpoints import (
@@ -276,34 +276,6 @@ def apply_checkpoint_architecture(config: Any, saved: Mapping[str, Any] | None) 
         raise ConfigError(
             f"config.data.max_len={config.data.max_len} exceeds the checkpoint's "
             f"model.max_len={config.model.max_len}"
-        )
-
-
-def check_pretraining_tokenizer(tokenizer: Any, path: str, run_tokenizer: str) -> None:
-    """Refuse a ``data.tokenizer`` that differs from the pretraining run's tokenizer.
-
-    The encoder's embeddings are indexed by the ids of the tokenizer it was pretrained
-    with; another tokenizer of no larger size would load silently and feed it ids that
-    mean other tokens. ``run_tokenizer`` is the ``tokenizer.json`` beside
-    ``config.init_from``'s run (the pretraining run saves the one it used there, also
-    when it was given ``data.tokenizer``). Files are compared by
-    :func:`glue.tokenizer.tokenizer_fingerprint`, so a copy passes. A run without that
-    file (a checkpoint copied on its own) cannot be checked: that is said, not refused,
-    since giving ``data.tokenizer`` is then the only way to fine-tune it.
-    """
-    if not os.path.isfile(run_tokenizer):
-        print(
-            f"warning: config.data.tokenizer={path!r} is not checked against the pretraining "
-            f"tokenizer: config.init_from's run has no {run_tokenizer!r}",
-            flush=True,
-        )
-        return
-    pretrained = load_tokenizer(run_tokenizer, flag="the tokenizer.json of config.init_from's run")
-    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(pretrained):
-        raise ConfigError(
-            f"config.data.tokenizer={path!r} is not the tokenizer the encoder was pretrained "
-            f"with ({run_tokenizer!r}, beside config.init_from's run): its ids would mean "
-            "other tokens; leave config.data.tokenizer empty to use the run's"
         )
 
 

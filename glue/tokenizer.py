@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from sbm_jax.training.errors import ConfigError
+
 PAD, CLS, SEP, MASK, UNK = "<pad>", "<cls>", "<sep>", "<mask>", "<unk>"
 SPECIAL_TOKENS = (PAD, CLS, SEP, MASK, UNK)
 NUM_SPECIAL = len(SPECIAL_TOKENS)
@@ -147,6 +149,34 @@ def load_tokenizer(path: str, flag: str = "--tokenizer") -> Tokenizer:
         raise ValueError(f"{flag}={path!r} is not a valid tokenizer.json: {e}") from None
     special_ids(tokenizer)
     return plain_text_only(tokenizer)
+
+
+def check_pretraining_tokenizer(tokenizer: Tokenizer, path: str, run_tokenizer: str) -> None:
+    """Refuse a ``data.tokenizer`` that differs from the pretraining run's tokenizer.
+
+    The encoder's embeddings are indexed by the ids of the tokenizer it was pretrained
+    with; another tokenizer of no larger size would load silently and feed it ids that
+    mean other tokens. ``run_tokenizer`` is the ``tokenizer.json`` beside
+    ``config.init_from``'s run (the pretraining run saves the one it used there, also
+    when it was given ``data.tokenizer``). Files are compared by
+    :func:`tokenizer_fingerprint`, so a copy passes. A run without that
+    file (a checkpoint copied on its own) cannot be checked: that is said, not refused,
+    since giving ``data.tokenizer`` is then the only way to fine-tune it.
+    """
+    if not os.path.isfile(run_tokenizer):
+        print(
+            f"warning: config.data.tokenizer={path!r} is not checked against the pretraining "
+            f"tokenizer: config.init_from's run has no {run_tokenizer!r}",
+            flush=True,
+        )
+        return
+    pretrained = load_tokenizer(run_tokenizer, flag="the tokenizer.json of config.init_from's run")
+    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(pretrained):
+        raise ConfigError(
+            f"config.data.tokenizer={path!r} is not the tokenizer the encoder was pretrained "
+            f"with ({run_tokenizer!r}, beside config.init_from's run): its ids would mean "
+            "other tokens; leave config.data.tokenizer empty to use the run's"
+        )
 
 
 def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:

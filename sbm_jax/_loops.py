@@ -8,9 +8,8 @@ JAX batches such a loop by running it until the longest graph is done and *selec
 every carry on every step (old value for the graphs already done, new for the rest).
 The carries are the loops' accumulators (``[m, d]`` key and value gradients, the
 ``[n, k]`` and ``[m, k]`` membership gradients): each select is a pass over them, and
-XLA keeps both versions alive. At n=4096, 5% density, four graphs in one ``vmap``, the
-``rows`` kernel's compiled temporary memory (fwd+bwd) was 59.7 MiB this way and 42.7 MiB
-with the old fixed trip count.
+XLA keeps both versions alive, so the kernels' compiled temporary memory grows past what
+a fixed trip count needs (measured figures: docs/log.md, "Code comments (dated figures)").
 
 :func:`shared_trip_count` gives such a loop the largest trip count over the mapped axes
 instead, unbatched, so that no select is needed. It is only correct for loops whose

@@ -6,8 +6,8 @@ several million per graph. JAX lowers its Threefry-2x32 hash on CPU as a rolled 
 five steps over whole arrays; on GPU and TPU it unrolls the 20 rounds. :func:`uniform`
 computes the same hash on the same counters, unrolled (plain ``uint32`` arithmetic that
 XLA fuses into one pass), so its output is bit for bit ``jax.random.uniform(key,
-shape)`` on every backend and under ``vmap``; on a 2-core CPU it made 2^20 uniforms in
-3.1 ms against 7.0 ms.
+shape)`` on every backend and under ``vmap``, and on CPU it is faster than the rolled
+loop (the measured ratio is in docs/log.md, "Code comments (dated figures)").
 
 It reproduces JAX's default scheme (``jax_threefry_partitionable``, a threefry key):
 each 32-bit word is ``hash(key, (0, i))`` folded to one word by xor, ``i`` the flat

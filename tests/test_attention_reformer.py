@@ -187,9 +187,13 @@ def test_appended_padding_changes_no_real_output(num_hashes):
         np.testing.assert_allclose(out[m], base[m], rtol=1e-5, atol=1e-6, err_msg=f"pad {pad}")
 
 
-def test_hash_rng_sample_stream_and_fixed_key():
+def test_hash_rng_sample_stream_and_fixed_key(monkeypatch):
+    import sbm_jax.attention.reformer as reformer
+
     x, mask = module_inputs(4)
-    module = ReformerAttention(num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4)
+    module = ReformerAttention(
+        num_heads=2, head_dim=4, out_dim=8, chunk_len=3, num_buckets=4, num_hashes=2, hash_seed=3
+    )
     params = init_params(module, jax.random.key(8), x, mask)
 
     @jax.jit
@@ -197,9 +201,32 @@ def test_hash_rng_sample_stream_and_fixed_key():
         return module.apply(params, x, mask, deterministic=True, rngs={"sample": rng})
 
     fixed = jax.jit(lambda: module.apply(params, x, mask, deterministic=True))
-    np.testing.assert_array_equal(apply(jax.random.key(0)), apply(jax.random.key(0)))
     assert not np.allclose(apply(jax.random.key(0)), apply(jax.random.key(1)))
-    np.testing.assert_array_equal(fixed(), fixed())
+
+    # The rotations each call hashes with, read where the layer passes them on (eagerly,
+    # so they are values), and each output against the loop reference (float64) that
+    # hashes with them: outputs are the LSH attention of the rotations they were drawn
+    # with, the same on every call for the same rng.
+    seen = []
+
+    def recording(qk, rotations):
+        seen.append(np.asarray(rotations))
+        return lsh_buckets(qk, rotations)
+
+    monkeypatch.setattr(reformer, "lsh_buckets", recording)
+    module.apply(params, x, mask, deterministic=True)
+    module.apply(params, x, mask, deterministic=True, rngs={"sample": jax.random.key(0)})
+    monkeypatch.undo()
+    fixed_rot, sample_rot = seen
+    # Without a sample stream: the fixed key hash_seed.
+    np.testing.assert_array_equal(fixed_rot, jax.random.normal(jax.random.key(3), (2, 2, 4, 2)))
+    assert not np.allclose(sample_rot, fixed_rot)  # with one: drawn from the stream
+    qk, v = dense_qkv(params, x, names=("query_key", "value"))
+    m = np.asarray(mask)
+    for got, rot in ((fixed(), fixed_rot), (apply(jax.random.key(0)), sample_rot)):
+        buckets = lsh_buckets(qk, jnp.asarray(rot))
+        ref = dense_out(params, loop_lsh_reference(qk, v, mask, buckets, 4, 3))
+        np.testing.assert_allclose(np.asarray(got)[m], ref[m], rtol=1e-4, atol=1e-5)
 
 
 def test_gradients_finite_and_no_retrace():

@@ -170,6 +170,26 @@ def test_masked_attention_dropout():
     with pytest.raises(ValueError, match="dropout_rng"):
         masked_attention(q, k, v, mask, dropout_rate=0.5, deterministic=False)
 
+    # Against a float64 reference: the softmax weights over the allowed keys, kept with
+    # probability 1 - rate (one Bernoulli per [B, H, n, m] weight, drawn here from the
+    # same key) and scaled by 1 / (1 - rate).
+    ks = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(kk, (2, 6, 2, 3)) for kk in ks)
+    allowed = np.tril(np.ones((6, 6), bool))
+    rate, rng = 0.3, jax.random.key(5)
+    got = jax.jit(
+        lambda q, k, v: masked_attention(
+            q, k, v, jnp.asarray(allowed), dropout_rate=rate, dropout_rng=rng, deterministic=False
+        )
+    )(q, k, v)
+    keep = np.asarray(jax.random.bernoulli(rng, 1.0 - rate, (2, 2, 6, 6)))
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.einsum("bnhd,bmhd->bhnm", q64, k64) / np.sqrt(3)
+    s = np.where(allowed, s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w = w / w.sum(axis=-1, keepdims=True) * keep / (1.0 - rate)
+    np.testing.assert_allclose(got, np.einsum("bhnm,bmhd->bnhd", w, v64), rtol=1e-5, atol=1e-6)
+
 
 # ---------------------------------------------------------------------------------------
 # Modules.

@@ -179,16 +179,24 @@ def test_a_run_folder_whose_parts_cannot_be_written_is_refused_before_training(p
         prepare_output_dir(str(run))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_checkpoints_folder_is_refused_before_training(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints").chmod(0o500)
+    run.mkdir()
+    if os.geteuid() != 0:
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints").chmod(0o500)
+    else:
+        # Root writes through a chmod (CI runs the tests as root), and os.access says yes
+        # to root; a procfs directory refuses new files to everyone.
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("no procfs: no directory root cannot write into")
+        (run / "checkpoints").symlink_to("/proc/self")
     try:
         with pytest.raises(ConfigError, match="checkpoints/ is not writable"):
             prepare_output_dir(str(run))
     finally:
-        (run / "checkpoints").chmod(0o700)
+        if not (run / "checkpoints").is_symlink():
+            (run / "checkpoints").chmod(0o700)
 
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "fixtures", "config_presets.json")

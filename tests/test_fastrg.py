@@ -320,6 +320,18 @@ def test_sample_edge_keys_are_the_sampler_layout():
     light = jax.jit(edges_from_keys, static_argnums=(1, 2))(keys, N, M)
     for name in ("rows", "cols", "valid", "num_edges"):
         np.testing.assert_array_equal(getattr(light, name), getattr(edges, name), err_msg=name)
+    # Independent reference: the keys decoded here (row * M + col), and p_e from the
+    # float64 dense p, not from the code's edges_from_keys / edge_probs.
+    valid = kk != N * M
+    np.testing.assert_array_equal(np.asarray(edges.valid), valid)
+    assert int(edges.num_edges) == int(valid.sum()) > 20
+    rows, cols = kk[valid] // M, kk[valid] % M
+    np.testing.assert_array_equal(np.asarray(edges.rows)[valid], rows)
+    np.testing.assert_array_equal(np.asarray(edges.cols)[valid], cols)
+    assert Q_MASK[rows].all() and K_MASK[cols].all()
+    np.testing.assert_allclose(
+        np.asarray(edges.probs)[valid], _dense_p(q, s, k)[rows, cols], rtol=1e-5, atol=1e-7
+    )
 
 
 def test_plan_without_tables_samples_the_same_keys_as_the_full_plan():
@@ -349,12 +361,37 @@ def test_plan_without_tables_samples_the_same_keys_as_the_full_plan():
         built = jax.jit(with_tables)(light)
         for t in tables:
             np.testing.assert_array_equal(getattr(built, t), getattr(full, t), err_msg=t)
+        _assert_tables_are_the_weights(built, q, s, k)
         draw = jax.jit(functools.partial(sample_edge_keys, capacity=200, law=law))
         for i in range(3):
             key, count = jax.random.PRNGKey(10 + i), jnp.asarray(120, jnp.int32)
             want = np.asarray(draw(key, full, count))
             np.testing.assert_array_equal(np.asarray(draw(key, light, count)), want)
             assert (want != N * M).sum() > 50
+
+
+def _assert_tables_are_the_weights(plan, q, s, k):
+    """An independent reference for a plan's four search tables, in float64 from the
+    memberships: the key CDF of cluster v sums z_jv over the keys, the row CDF of row i
+    sums (Y Sbar)_iv sum_j z_jv over the clusters (Sbar: S with delta appended on the
+    diagonal), and guide entry t counts the CDF entries at or below t * total / G."""
+    q, s, k = (np.asarray(a, np.float64) for a in (q, s, k))
+    y = q * Q_MASK[:, None]
+    z = np.concatenate([k * K_MASK[:, None], K_MASK[:, None]], axis=1)  # [M, K + 1]
+    y_sbar = np.concatenate([y @ s, (Q_MASK * DELTA)[:, None]], axis=1)  # [N, K + 1]
+    want_z = np.cumsum(z, axis=0).T  # [K + 1, M]
+    want_rows = np.cumsum(y_sbar * z.sum(axis=0)[None, :], axis=1)  # [N, K + 1]
+    np.testing.assert_allclose(plan.zcdf, want_z, rtol=2e-6, atol=1e-7, err_msg="zcdf")
+    np.testing.assert_allclose(plan.row_cdf, want_rows, rtol=2e-6, atol=1e-7, err_msg="row_cdf")
+    for cdf, guide, span in (
+        (plan.zcdf, plan.zguide, GUIDE_SPAN),
+        (plan.row_cdf, plan.row_guide, ROW_GUIDE_SPAN),
+    ):
+        cdf = np.asarray(cdf)
+        g = max(1, cdf.shape[1] // span)
+        cuts = np.arange(g + 1, dtype=np.float32)[None, :] * cdf[:, -1:] / np.float32(g)
+        below = (cdf[:, None, :] <= cuts[:, :, None]).sum(axis=2)
+        np.testing.assert_array_equal(guide, np.minimum(below, cdf.shape[1] - 1))
 
 
 def test_prefix_steps_give_the_same_keys_bit_for_bit(monkeypatch):

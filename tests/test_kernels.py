@@ -147,6 +147,33 @@ def test_dropout_matches_segment_with_the_same_key():
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=3e-6)
 
+    # Independent reference: dense masked attention whose softmax weights are kept with
+    # probability 1 - rate and scaled by 1 / (1 - rate), with the slots' keep mask drawn
+    # here from the same key (one Bernoulli per slot).
+    e = int(mask.sum())
+    keep = np.asarray(jax.random.bernoulli(jax.random.PRNGKey(9), 0.7, (edges.capacity,)))
+    assert 0.4 < keep[:e].mean() < 0.95  # the mask keeps ~70% of the edges
+    rr, cc = np.asarray(edges.rows)[:e], np.asarray(edges.cols)[:e]
+    full_scale = jnp.zeros((N, M)).at[rr, cc].set(scale[:e])
+    kept = jnp.zeros((N, M)).at[rr, cc].set(jnp.asarray(keep[:e], jnp.float32))
+
+    def dense_fn(q, k, v):
+        s = jnp.where(mask, q @ k.T / np.sqrt(D) * full_scale, -jnp.inf)
+        w = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+        w = jnp.nan_to_num(w)  # rows without an edge output 0
+        return (w * kept / 0.7) @ v
+
+    dense_run = jax.jit(
+        lambda q, k, v: (
+            dense_fn(q, k, v),
+            jax.grad(lambda q, k, v: jnp.sum(dense_fn(q, k, v) * g), argnums=(0, 1, 2))(q, k, v),
+        )
+    )
+    out_dense, dref = dense_run(q, k, v)
+    np.testing.assert_allclose(out_rows, out_dense, atol=3e-6)
+    for name, a, b in zip("qkv", got, dref, strict=True):
+        np.testing.assert_allclose(a, b, atol=3e-6, err_msg=f"dense d{name}")
+
 
 def test_layout_covers_every_valid_slot_once():
     mask = _mask(3, 0.25)

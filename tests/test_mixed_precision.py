@@ -1,9 +1,11 @@
 """bf16 compute with float32 parameters and softmax statistics, against float32.
 
-Stated tolerances: the edge kernels on bf16 inputs match float32 compute on the same
-(bf16-representable) inputs to 1e-2 relative (bf16 keeps ~3 significant digits; the
-scores, softmax and accumulation stay float32); an encoder in bf16 matches its float32
-twin, same float32 parameters, to 0.1 in the logits.
+Stated tolerances, a few times the error measured on these inputs: the edge kernels on
+bf16 inputs match float32 compute on the same (bf16-representable) inputs to 2^-7
+relative, twice one bf16 rounding of the output (measured: 0.0038 relative, the output's
+own rounding, since the scores, softmax and accumulation stay float32); an encoder in
+bf16 matches its float32 twin, same float32 parameters, to 0.02 in the logits of
+0.11-1.02 (measured: 0.0052).
 """
 
 import flax.linen as nn
@@ -53,7 +55,7 @@ def test_edge_and_dense_kernels_keep_float32_statistics():
         ref = fn(*f32)
         assert low.dtype == jnp.bfloat16
         np.testing.assert_allclose(
-            np.asarray(low, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2
+            np.asarray(low, np.float32), np.asarray(ref), rtol=2.0**-7, atol=1e-4
         )
         assert np.all(np.asarray(low, np.float32)[3] == 0.0)
 
@@ -94,4 +96,4 @@ def test_bf16_encoder_matches_float32_with_float32_params():
         params
     )
     assert np.isfinite(np.asarray(low, np.float32)).all()
-    np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(ref), atol=0.1)
+    np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(ref), atol=0.02)

@@ -270,6 +270,45 @@ def test_no_retrace_across_batches():
         step(params, _x(seed), jax.random.PRNGKey(seed)).block_until_ready()
     assert len(traces) == 1
 
+    # Batches of the same shapes whose counts pick different capacity buckets: the path
+    # is chosen on device under lax.switch, so neither the traced step nor the layer's
+    # own jitted core (called eagerly, where a path chosen on the host as a static
+    # argument would compile once per path) compiles again.
+    from jax._src import dispatch, monitoring
+
+    mod = _module(impl="sparse", delta=0.0, edge_law="poisson", capacity_buckets=(0.1, 0.4))
+    params = _init(mod, x)
+    batches = [(_x(0), 0), (_x(1), 1), (10.0 * _x(0), 0)]  # the last takes the 0.4 bucket
+    paths = {
+        int(_apply(mod, params, xb, jax.random.PRNGKey(s))[1][STATS_COLLECTION]["path"][0])
+        for xb, s in batches
+    }
+    assert len(paths) == 2, paths
+    compiles = []
+
+    def listen(event, duration, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    def eager(xb, s):
+        return mod.apply(
+            {"params": params},
+            xb,
+            MASK,
+            deterministic=False,
+            rngs={"sample": jax.random.PRNGKey(s)},
+            mutable=[STATS_COLLECTION],
+        )
+
+    jax.block_until_ready(eager(*batches[0]))  # warm: compiles the core once
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for xb, s in batches[1:]:
+            jax.block_until_ready(eager(xb, s))
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [], f"{len(compiles)} compiles for batches on another path"
+
 
 def test_eval_keeps_sampling_without_delta():
     mod = _module(impl="dense", delta=0.5)

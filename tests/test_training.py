@@ -259,7 +259,7 @@ def test_density_lambda_adds_to_the_loss_and_its_gradient(lam):
     np.testing.assert_allclose(state.params["theta"], 0.5 - lam, rtol=1e-6)  # d/dtheta = lambda
 
 
-def test_metrics_writer_and_progress_bar(tmp_path):
+def test_metrics_writer_and_progress_bar(tmp_path, monkeypatch):
     writer = MetricsWriter(str(tmp_path))
     writer.write({"step": 1, "split": "train", "loss": np.float32(0.5), "accuracy": 0.25})
     writer.write({"step": 1, "split": "eval", "loss": 0.4, "accuracy": 0.5})
@@ -273,16 +273,22 @@ def test_metrics_writer_and_progress_bar(tmp_path):
         ]
     with open(writer.jsonl_path) as f:
         assert len(f.read().splitlines()) == 3
+    import sbm_jax.training.metrics as metrics_module
+
+    # The bar's clock, set by the test: step 10 at t=100 s, step 30 at t=102 s, so the
+    # rate and the ETA are exact (the bar's speed is no business of a test).
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(
+        metrics_module, "time", type("Clock", (), {"perf_counter": lambda: next(clock)})
+    )
     stream = io.StringIO()
     bar = ProgressBar(100, stream=stream, log_interval_s=0.0)
     bar.update(10, {"loss": 0.5})
-    bar._first = (10, bar._first[1] - 2.0)  # pretend step 10 finished 2 s ago
     bar.update(30, {"loss": 0.25, "accuracy": 0.5, "density": 0.3})
     last = stream.getvalue().splitlines()[-1]
     assert "30/100" in last and "loss 0.2500" in last and "dens 0.3000" in last
-    rate = float(last.split(" it/s")[0].split()[-1])
-    assert 8.0 < rate < 10.5  # 20 steps in ~2 s
-    assert "ETA 0:0" in last  # 70 steps at ~10/s: about 7 s
+    assert "10.00 it/s" in last  # 20 steps in 2 s
+    assert "ETA 0:07" in last  # 70 steps at 10/s
 
 
 @pytest.mark.slow  # suite time: test_sharded_step's 8 devices stay

@@ -189,7 +189,8 @@ def test_bfloat16_close_to_float32():
     y16 = jit_apply(module16)(*args)
     assert y16.dtype == jnp.bfloat16
     scale = np.max(np.abs(y32))
-    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.05 * scale)
+    # A few times the measured error (0.0069 of the scale on these inputs).
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.02 * scale)
 
 
 def test_density_stats_match_numpy_count():

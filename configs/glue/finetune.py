@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from configs import base
 from configs.glue.common import model_config, parse
 from glue.data import get_task_spec
 
@@ -54,40 +55,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.model = model_config(mechanism, size, pooling="mean", num_classes=spec.num_classes)
 
-    config.train = ml_collections.ConfigDict()
-    config.train.batch_size = 4 if smoke else 32  # examples per step (paper: 32)
-    config.train.eval_batch_size = 4 if smoke else 128  # examples per evaluation batch
-    config.train.num_epochs = (
-        0.0 if smoke else 5.0
-    )  # passes over the train split (paper: 5); 0: num_steps
-    config.train.num_steps = (
-        3 if smoke else 1
-    )  # optimizer steps when num_epochs is 0 (else derived)
-    config.train.learning_rate = 1e-3 if smoke else 3e-5  # peak learning rate (paper: 3e-5)
-    config.train.warmup_fraction = 0.06  # warm-up share of the steps (not in the paper)
-    config.train.warmup_steps = 0  # derived from warmup_fraction at start-up
-    config.train.end_learning_rate_factor = 0.0  # linear decay to 0
-    config.train.weight_decay = 0.01  # AdamW decoupled weight decay
-    # decay kernels and embeddings, not biases or LayerNorm scales (BERT's optimizer)
-    config.train.weight_decay_mask = "matrices"
-    config.train.b1 = 0.9  # Adam beta1
-    config.train.b2 = 0.98  # Adam beta2
-    config.train.eps = 1e-8  # Adam epsilon (optax's default, as before)
-    config.train.grad_clip_norm = 1.0  # global-norm gradient clipping (0: off)
-    config.train.density_lambda = 0.0  # SBM sparsity regulariser weight (paper: 0 for GLUE)
-    config.train.log_every = 1 if smoke else 50  # steps between host syncs
-    config.train.eval_every = 0 if smoke else 1000  # steps between dev evaluations (0: end only)
-    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
-    #   accumulation over micro-batches (0: the whole per-device share in one pass)
-    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
-
-    config.checkpoint = ml_collections.ConfigDict()
-    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
-    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
-    config.checkpoint.best_metric = spec.metric  # dev metric that picks the best: f1 / macro_f1
-    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
-
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
-    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
+    config.train = base.train_section(
+        batch_size=4 if smoke else 32,  # examples per step (paper: 32)
+        eval_batch_size=4 if smoke else 128,  # examples per evaluation batch
+        num_epochs=0.0 if smoke else 5.0,  # passes over the train split (paper: 5); 0: num_steps
+        num_steps=3 if smoke else 1,  # optimizer steps when num_epochs is 0 (else derived)
+        learning_rate=1e-3 if smoke else 3e-5,  # peak learning rate (paper: 3e-5)
+        warmup_fraction=0.06,  # warm-up share of the steps (not in the paper)
+        warmup_steps=0,  # derived from warmup_fraction at start-up
+        end_learning_rate_factor=0.0,  # linear decay to 0
+        weight_decay=0.01,  # AdamW decoupled weight decay
+        # decay kernels and embeddings, not biases or LayerNorm scales (BERT's optimizer)
+        weight_decay_mask="matrices",
+        b2=0.98,
+        eps=1e-8,  # Adam epsilon (optax's default)
+        grad_clip_norm=1.0,
+        log_every=1 if smoke else 50,
+        eval_every=0 if smoke else 1000,
+    )
+    # the task's dev metric (f1 / macro_f1 / accuracy) picks the best checkpoint
+    config.checkpoint = base.checkpoint_section(best_metric=spec.metric, best_mode="max")
+    config.mesh = base.mesh_section()
     return config

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from configs import base
 from configs.glue.common import model_config, parse
 
 
@@ -58,39 +59,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model = model_config(mechanism, size, pooling="none", num_classes=0)
     config.model.num_classes = config.model.get_ref("vocab_size")  # MLM: one class per token
 
-    config.train = ml_collections.ConfigDict()
-    config.train.batch_size = 8 if smoke else 256  # sequences per step (paper: 256)
-    config.train.num_epochs = (
-        0.0 if smoke else 50.0
-    )  # passes over the corpus (paper: 50); 0: use num_steps
-    config.train.num_steps = (
-        4 if smoke else 1
-    )  # optimizer steps when num_epochs is 0 (else derived)
-    config.train.learning_rate = 1e-3 if smoke else 1e-4  # peak learning rate (paper: 1e-4)
-    config.train.warmup_fraction = 0.06  # warm-up share of the steps (not in the paper; RoBERTa's)
-    config.train.warmup_steps = 0  # derived from warmup_fraction at start-up
-    config.train.end_learning_rate_factor = 0.0  # linear decay to 0 (BERT/RoBERTa)
-    config.train.weight_decay = 0.01  # AdamW decoupled weight decay (BERT: 0.01)
-    # decay kernels and embeddings, not biases or LayerNorm scales (BERT's optimizer)
-    config.train.weight_decay_mask = "matrices"
-    config.train.b1 = 0.9  # Adam beta1
-    config.train.b2 = 0.98  # Adam beta2 (RoBERTa: 0.98)
-    config.train.grad_clip_norm = 1.0  # global-norm gradient clipping (0: off)
-    config.train.density_lambda = 0.0  # SBM sparsity regulariser weight (paper: 0 for GLUE)
-    config.train.log_every = 1 if smoke else 50  # steps between host syncs
-    config.train.eval_every = 0 if smoke else 2000  # steps between held-out MLM evals (0: end only)
-    config.train.eps = 1e-8  # Adam epsilon (optax's default, as before)
-    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
-    #   accumulation over micro-batches (0: the whole per-device share in one pass)
-    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
-
-    config.checkpoint = ml_collections.ConfigDict()
-    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
-    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
-    config.checkpoint.best_metric = "loss"  # held-out MLM metric that picks the best checkpoint
-    config.checkpoint.best_mode = "min"  # "min" for a loss
-
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
-    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads)
+    config.train = base.train_section(
+        batch_size=8 if smoke else 256,  # sequences per step (paper: 256)
+        num_epochs=0.0 if smoke else 50.0,  # passes over the corpus (paper: 50); 0: num_steps
+        num_steps=4 if smoke else 1,  # optimizer steps when num_epochs is 0 (else derived)
+        learning_rate=1e-3 if smoke else 1e-4,  # peak learning rate (paper: 1e-4)
+        warmup_fraction=0.06,  # warm-up share of the steps (not in the paper; RoBERTa's)
+        warmup_steps=0,  # derived from warmup_fraction at start-up
+        end_learning_rate_factor=0.0,  # linear decay to 0 (BERT/RoBERTa)
+        weight_decay=0.01,  # AdamW decoupled weight decay (BERT: 0.01)
+        # decay kernels and embeddings, not biases or LayerNorm scales (BERT's optimizer)
+        weight_decay_mask="matrices",
+        b2=0.98,  # Adam beta2 (RoBERTa: 0.98)
+        eps=1e-8,  # Adam epsilon (optax's default)
+        grad_clip_norm=1.0,
+        log_every=1 if smoke else 50,
+        eval_every=0 if smoke else 2000,  # steps between held-out MLM evals (0: end only)
+    )
+    # the held-out MLM loss picks the best checkpoint
+    config.checkpoint = base.checkpoint_section(best_metric="loss", best_mode="min")
+    config.mesh = base.mesh_section()
     return config

@@ -35,7 +35,7 @@ import dataclasses
 
 import ml_collections
 
-from configs import presets
+from configs import base, presets
 from lra import tasks as lra_tasks
 
 SCALES = ("paper", "reduced", "smoke")  # the LRA presets' scales (the first: the default)
@@ -142,34 +142,19 @@ def base_config(task: str, preset: presets.Preset) -> ml_collections.ConfigDict:
     # That mechanism's own options (configs/presets.py: OPTIONS at this scale).
     config.model.attention_options = presets.attention_options(mechanism, scale, seq_len)
 
-    config.train = ml_collections.ConfigDict()
-    config.train.batch_size = ref.batch_size  # global batch per optimizer step (Table 7)
-    config.train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
-    #   accumulation over micro-batches (0: the whole per-device share in one pass)
-    config.train.num_steps = ref.num_steps  # optimizer steps (Table 7)
-    config.train.learning_rate = ref.learning_rate  # peak learning rate (Table 7)
-    config.train.warmup_steps = ref.warmup_steps  # linear warm-up steps (reference code)
-    config.train.end_learning_rate_factor = 0.0  # linear decay to 0 at num_steps (reference)
-    config.train.weight_decay = 0.0  # AdamW weight decay (reference: none)
-    config.train.b1 = 0.9  # Adam beta1
-    config.train.b2 = 0.999  # Adam beta2
-    config.train.eps = 1e-6  # Adam epsilon (reference: 1e-6)
-    config.train.grad_clip_norm = 0.0  # global-norm clipping (0: off, as the reference)
-    config.train.density_lambda = lam  # weight of the mean-density regulariser (paper Table 2)
-    config.train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
-    config.train.log_every = 50  # steps between host syncs (every step is still recorded)
-    config.train.eval_every = ref.eval_every  # steps between dev evaluations (reference code)
-
-    config.checkpoint = ml_collections.ConfigDict()
-    config.checkpoint.every_steps = 1000  # steps between "latest" checkpoints (also at evals)
-    config.checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
-    config.checkpoint.best_metric = "accuracy"  # dev metric that picks the best checkpoint
-    config.checkpoint.best_mode = "max"  # "max" or "min" for best_metric
-
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # devices on the data-parallel axis (-1: all)
-    config.mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads;
-    #   per-head attention parameters are sharded over them; mesh.data=-1: all devices / heads)
+    config.train = base.train_section(
+        batch_size=ref.batch_size,  # global batch per optimizer step (Table 7)
+        num_steps=ref.num_steps,  # optimizer steps (Table 7)
+        learning_rate=ref.learning_rate,  # peak learning rate (Table 7)
+        warmup_steps=ref.warmup_steps,  # linear warm-up steps (reference code)
+        end_learning_rate_factor=0.0,  # linear decay to 0 at num_steps (reference)
+        eps=1e-6,  # Adam epsilon (reference: 1e-6); weight decay and clipping off, as there
+        density_lambda=lam,  # weight of the mean-density regulariser (paper Table 2)
+        log_every=50,
+        eval_every=ref.eval_every,  # steps between dev evaluations (reference code)
+    )
+    config.checkpoint = base.checkpoint_section(best_metric="accuracy", best_mode="max")
+    config.mesh = base.mesh_section()
 
     if scale == "reduced":
         config.train.batch_size = 32

@@ -59,9 +59,9 @@ Array = jax.Array
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
-#: Scores per chunk of query groups, by backend (see ``_part_stats``). CPU: 2^18
-#: (1 MiB of float32) was the fastest or near it among 2^16 ... 2^22 and unchunked
-#: (n = 4096 and 16384, strided and fixed with c = 8; docs/sparse_patterns.md).
+#: Scores per chunk of query groups, by backend (see ``_part_stats``). CPU: 2^18, the
+#: fastest or near it of the sizes measured, since a chunk stays in cache
+#: (docs/sparse_patterns.md has the sweep and its command).
 #: Accelerators: not measured here; 2^24 keeps the benchmark's shapes in one product.
 CHUNK_ELEMENTS = {"cpu": 2**18, "default": 2**24}
 
