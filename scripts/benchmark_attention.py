@@ -1553,7 +1553,12 @@ def kernel_target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
         c1, c5 = core(n, 0.01), core(n, 0.05)
         c2 = core(n // 2, 0.10)
-        div = lambda a, b_, key="median_s": None if a is None or b_ is None else a[key] / b_[key]
+
+        def div(a, b_, key="median_s"):
+            if a is None or b_ is None or key not in a or not b_.get(key):
+                return None
+            return a[key] / b_[key]
+
         add("core fwd+bwd time / exact, density 1%", 0.10, div(c1, exact), div(c1, naive))
         add("core fwd+bwd time / exact, density 5%", 0.30, div(c5, exact), div(c5, naive))
         add(
