@@ -148,6 +148,12 @@ def _seq_len_squared(n: int) -> int:
     return n * n
 
 
+def _query_chunk(n: int) -> int:
+    # Full attention's query block: 512 queries up to n=4096, then fewer so that a block
+    # holds at most 2^21 scores per (example, head) whatever the length (n=16384: 128).
+    return max(64, min(512, 2**21 // max(n, 1)))
+
+
 def _unset_float(n: int) -> ml_collections.FieldReference:
     del n
     return ml_collections.config_dict.placeholder(float)  # None, settable to a float
@@ -179,8 +185,16 @@ class Scaled:
 # (k=128 clusters, 256 landmarks / random features / projection length, 2 hashing
 # rounds; its GLUE model adds a local window of 64) and the reference code (Nystromformer
 # conv 35, Reformer chunks 64); reduced: the paper's sizes at CPU lengths; smoke: tiny.
-# Mechanisms without an entry (full, linear, sparse_fixed, sparse_strided) have no options.
+# Full attention: exact softmax attention, "auto" (chunked on CPU and TPU past one block,
+# cuDNN flash attention on a GPU in bf16/fp16 without attention dropout; see
+# sbm_jax/attention/full.py), so that the baseline is the one a careful user runs and fits
+# at Path-X's n=16384 on a CPU. Mechanisms without an entry (linear, sparse_fixed,
+# sparse_strided) have no options.
 OPTIONS: dict[str, dict[str, Scaled]] = {
+    "full": {
+        "implementation": Scaled("auto"),  # "auto", "chunked", "cudnn" or "xla" (naive)
+        "query_chunk": Scaled(_query_chunk),  # queries per block of "chunked"
+    },
     "sbm": {
         "num_clusters": Scaled(128, smoke=8, glue_smoke=4),  # k, clusters per head (paper: 128)
         "delta": Scaled(0.01),  # exploration probability added to every pair (training only)

@@ -1,28 +1,40 @@
 #!/usr/bin/env python
-"""Time and size SBM attention against dense attention, forward + backward.
+"""Time and size SBM attention against exact attention, forward + backward.
+
+Every ratio divides by the best exact attention on the backend (:func:`baseline_options`):
+``full`` with ``implementation="chunked"`` (exact softmax attention over 512-query blocks
+under ``lax.map``, each rematerialised in the backward pass) on CPU and TPU, and
+``implementation="cudnn"`` (cuDNN flash attention, bfloat16) on GPU. XLA's naive attention
+(``jax.nn.dot_product_attention`` with no implementation, the ``[B, H, n, n]`` scores
+materialised) is reported beside it as ``full_xla``.
 
 Measures, in one process (so that ratios are fair on a shared, drifting machine):
 
 * ``layer``: the whole ``SBMAttention`` layer *with the module's defaults* (projections,
   membership MLP, block matrix, plans, path choice, fastRG or the streamed dense path,
   estimator, attention, output projection) in training mode, its parameters shifted so
-  that the sampled density is about the case's density, against the ``full`` attention
-  layer (same projections, ``jax.nn.dot_product_attention``), timed in alternation;
-  gradients with respect to all parameters and x. Cases ``--layer-cases n:density``.
+  that the sampled density is about the case's density, against the exact ``full`` layer
+  (same projections), the naive one, and at the ``--peer-sizes`` lengths the ``--peers``
+  (Performer, Linformer, Nystromformer, Reformer, local, sparse patterns; module defaults),
+  all timed in alternation (shuffled within each round); gradients with respect to all
+  parameters and x. Cases ``--layer-cases n:density[:batch]``.
   With ``--layer-processes K`` each case runs instead in K fresh processes of this
   script, one after another, and its figures are the medians over them (the range in
   the note): what ran before in a process (XLA's and the C library's allocator state)
   moves the full layer's time at n=1024 by 20-50% on a 2-core CPU.
 * ``long``: the SBM layer at ``--long`` lengths, batch 1, ~1% density: compiled memory
-  and one timed fwd+bwd; full attention at the same n compiled only (memory analysis).
+  and one timed fwd+bwd; exact and naive full attention at the same n compiled only
+  (memory analysis).
 * ``lra``: one training step (the trainer's ``make_train_step``: forward, loss,
   backward, AdamW) of the LRA encoder (Pathfinder paper config) at ``--lra-step``
-  lengths with SBM; the full-attention encoder compiled only.
+  lengths with SBM; the full-attention encoder (its preset: ``implementation="auto"``)
+  compiled only.
 * ``core``: :func:`sbm_jax.edge_ops.edge_attention` on graphs drawn uniformly at fixed
   densities into the :class:`~sbm_jax.graph.EdgeList` layout (capacity
   ``ceil(density * n^2)`` slots), with ``edge_scale = straight_through(probs)``;
   gradients with respect to q, k, v and the edge probabilities. One per ``--impls``.
-* ``dense``: ``jax.nn.dot_product_attention`` and our
+* ``dense``: the exact baseline core (``exact: chunked``, or ``exact: cudnn bf16`` on GPU),
+  ``jax.nn.dot_product_attention`` (naive) and our
   :func:`~sbm_jax.edge_ops.dense_masked_attention` with an all-True mask.
 * ``sample``: fastRG alone as the layer runs it (``sample_edge_keys``) at the capacity of
   the 5% core.
@@ -41,11 +53,11 @@ Configurations whose compiled footprint exceeds ``--max-gib`` are skipped and li
 Usage::
 
     python scripts/benchmark_attention.py --quick            # a few minutes
-    python scripts/benchmark_attention.py --sizes 4096 --densities 0.05 --impls rows \\
-        --no-targets --repeats 11 --long 16384 32768 --lra-step 16384 \\
-        --layer-processes 5 --markdown docs/benchmarks.md    # the documented run (~20 min)
+    python scripts/benchmark_attention.py --sizes 4096 --densities 0.01 0.05 \\
+        --impls rows --no-targets --repeats 7 --long 32768 --lra-step 16384 \\
+        --layer-processes 3 --markdown docs/benchmarks.md    # the documented run
     python scripts/benchmark_attention.py --no-core --no-sampler --long --lra-step \\
-        --layer-cases 4096:0.05                              # one layer case only
+        --layer-cases 4096:0.05 --peers                      # one layer case, no peers
 """
 
 from __future__ import annotations
@@ -85,6 +97,35 @@ from sbm_jax.ste import straight_through  # noqa: E402
 
 GIB = 2**30
 TARGET_N = 4096
+
+#: The other mechanisms measured as whole layers beside SBM (``--peers``), module defaults.
+PEERS = (
+    "performer",
+    "linformer",
+    "nystromformer",
+    "reformer",
+    "local",
+    "sparse_strided",
+    "sparse_fixed",
+)
+#: Queries per block of the chunked exact baseline.
+BASELINE_CHUNK = 512
+
+
+def baseline_options(dtype: Any = jnp.float32, backend: str | None = None) -> dict[str, Any]:
+    """``full``'s options for the best exact attention on ``backend`` (default: this one):
+    cuDNN flash attention on GPU in bfloat16/float16, else exact chunked attention."""
+    from sbm_jax.attention.full import _is_cudnn_dtype
+
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "gpu" and _is_cudnn_dtype(dtype):
+        return {"implementation": "cudnn"}
+    return {"implementation": "chunked", "query_chunk": BASELINE_CHUNK}
+
+
+def baseline_name(options: dict[str, Any]) -> str:
+    """``"chunked"`` / ``"cudnn"``: how the tables name the baseline."""
+    return str(options["implementation"])
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -283,13 +324,27 @@ def core_fwd_bwd(impl: str) -> Callable[..., Any]:
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
 
 
+#: The ``dense`` section's name of the exact baseline core, by implementation.
+EXACT_CORES = {"chunked": "exact: chunked", "cudnn": "exact: cudnn bf16"}
+
+
 def dense_fwd_bwd(which: str) -> Callable[..., Any]:
-    """``(q, k, v [B,H,n,d], g) -> grads`` for dense attention."""
+    """``(q, k, v [B,H,n,d], g) -> grads`` for dense attention: ``which`` is one of
+    :data:`EXACT_CORES`' names, ``jax.nn.dot_product_attention`` (naive) or
+    ``dense_masked_attention``."""
+    from sbm_jax.attention.full import chunked_attention, cudnn_attention
 
     def loss(q, k, v, g):
+        t = lambda a: a.transpose(0, 2, 1, 3)  # [B, n, H, d]
         if which == "jax.nn.dot_product_attention":
-            t = lambda a: a.transpose(0, 2, 1, 3)  # [B, n, H, d]
             out = t(jax.nn.dot_product_attention(t(q), t(k), t(v)))
+        elif which == EXACT_CORES["chunked"]:
+            mask = jnp.ones(q.shape[:1] + q.shape[2:3], bool)
+            out = t(chunked_attention(t(q), t(k), t(v), mask, query_chunk=BASELINE_CHUNK))
+        elif which == EXACT_CORES["cudnn"]:
+            mask = jnp.ones(q.shape[:1] + q.shape[2:3], bool)
+            half = lambda a: t(a).astype(jnp.bfloat16)
+            out = t(cudnn_attention(half(q), half(k), half(v), mask)).astype(q.dtype)
         else:
             n = q.shape[2]
 
@@ -437,32 +492,45 @@ def layer_workload(
     density: float,
     options: dict[str, Any] | None = None,
     shift: float | None = None,
+    dtype: Any = jnp.float32,
 ):
-    """Return ``(fn, args, info)`` for a whole-layer fwd+bwd (SBM or full attention).
+    """Return ``(fn, args, info)`` for a whole-layer fwd+bwd.
 
     ``kind="sbm"``: ``SBMAttention(num_heads=h, head_dim=d, out_dim=h*d, **options)``,
     the module's defaults unless ``options`` says otherwise, in training mode, with its
     membership logits shifted so that the sampled density is about ``density``.
-    ``kind="full"``: the ``full`` layer (same projections, ``jax.nn.dot_product_attention``).
+    ``kind="full"``: the exact baseline, the ``full`` layer (same projections) with
+    :func:`baseline_options` (or ``options``); ``kind="full_xla"``: the naive one
+    (``implementation="xla"``); any other registered name (the :data:`PEERS`): that layer
+    with its defaults (and its length options, Linformer's ``max_len = n``).
+    ``dtype``: the layers' compute dtype.
     Gradients for all parameters and x. ``args`` is ``(params, x, g, mask)``: the padding
     mask and the cotangent ``g`` of the output are inputs of the step, not constants.
     ``shift``: use this membership shift instead of finding it (``info["shift"]``
     reports the one used).
     """
     from sbm_jax.attention import get_attention
+    from sbm_jax.attention.registry import get_mechanism
 
     width = h * d
     kp, ks = jax.random.split(jax.random.PRNGKey(2))
     x, g, mask = _layer_inputs(b, n, width)
-    if kind == "full":
-        mod = get_attention("full")(num_heads=h, head_dim=d, out_dim=width)
+    fields = dict(num_heads=h, head_dim=d, out_dim=width, dtype=dtype)
+    info: dict[str, Any] = {}
+    if kind in ("full", "full_xla"):
+        opts = options or (baseline_options(dtype) if kind == "full" else {"implementation": "xla"})
+        mod = get_attention("full")(**fields, **opts)
+        info["implementation"] = opts["implementation"]
+    elif kind == "sbm":
+        mod = get_attention("sbm")(**fields, **(options or {}))
     else:
-        mod = get_attention("sbm")(num_heads=h, head_dim=d, out_dim=width, **(options or {}))
+        mechanism = get_mechanism(kind, field="--peers")
+        opts = mechanism.length_options(n) if mechanism.length_options else {}
+        mod = mechanism.module(**fields, **{**opts, **(options or {})})
     rngs = {"params": kp, "sample": ks, "dropout": ks}
     x0 = x[:, : min(n, 64)]  # parameter shapes do not depend on n
     params = jax.jit(lambda x: mod.init(rngs, x, mask[:, : x.shape[1]], deterministic=False))(x0)
     params = nn.unbox(params["params"])  # plain arrays (the logical axis names go)
-    info: dict[str, Any] = {}
     if kind == "sbm":
         sig = (b, min(n, CALIBRATION_N), h, d, density, tuple(sorted((options or {}).items())))
         if shift is None and sig not in _SHIFTS:
@@ -476,7 +544,7 @@ def layer_workload(
 
     def loss(p, x, g, mask):
         out = mod.apply({"params": p}, x, mask, deterministic=False, rngs={"sample": ks})
-        return jnp.sum(out * g)
+        return jnp.sum(out.astype(jnp.float32) * g)
 
     # The padding mask (and the output's cotangent) are inputs of the compiled step, as
     # in a training step, where they come with the batch. Baked in as constants, the
@@ -557,9 +625,9 @@ def calibrate_edge_cost(
 
 
 # ----------------------------------------------------------------------------- driver
-#: Whole-layer cases: (n, density). Those of the issue-14 target table, and n=4096 at 2%
-#: (a bucket filled to a third: does the cost follow the draws inside a bucket?).
-LAYER_CASES = ((1024, 0.05), (2048, 0.9), (4096, 0.02), (4096, 0.05))
+#: Whole-layer cases: (n, density, batch), those of the layer target table
+#: (:func:`layer_target_rows`).
+LAYER_CASES = ((4096, 0.05, 2), (4096, 0.01, 2), (16384, 0.01, 1), (2048, 0.9, 2))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -577,8 +645,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--layer-cases",
         nargs="*",
-        default=[f"{n}:{dd}" for n, dd in LAYER_CASES],
-        help="whole-layer cases n:density (the module's defaults against the full layer)",
+        default=[f"{n}:{dd}:{bb}" for n, dd, bb in LAYER_CASES],
+        help="whole-layer cases n:density[:batch] (batch default --batch; the module's "
+        "defaults against exact full attention)",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=list(PEERS),
+        help="other mechanisms timed as whole layers beside SBM at --peer-sizes",
+    )
+    p.add_argument(
+        "--peer-sizes",
+        type=int,
+        nargs="*",
+        default=[TARGET_N],
+        help="the layer cases' lengths n at which the --peers are measured too",
+    )
+    p.add_argument(
+        "--layer-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="compute dtype of every whole layer (auto: bfloat16 on GPU, where the exact "
+        "baseline is cuDNN's, else float32)",
+    )
+    p.add_argument(
+        "--no-naive",
+        action="store_true",
+        help="leave XLA's naive full attention out of the layer cases",
     )
     p.add_argument(
         "--long",
@@ -643,6 +737,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.sizes = [1024, 2048]
         args.densities = [0.01, 0.05]
         args.layer_cases = ["1024:0.05"]
+        args.peer_sizes = [1024]
         args.long, args.lra_step = [], []
         args.no_targets = True
     if args.repeats < 5:
@@ -655,16 +750,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.layer_cases = [_layer_case(c) for c in args.layer_cases]
     except (IndexError, ValueError):
         p.error(
-            "--layer-cases must look like 4096:0.05 (n >= 1, density in (0, 1]), "
-            f"got {' '.join(args.layer_cases)}"
+            "--layer-cases must look like 4096:0.05 or 16384:0.01:1 (n >= 1, density in "
+            f"(0, 1], batch >= 1), got {' '.join(args.layer_cases)}"
         )
+    from sbm_jax.attention import available
+
+    unknown = [name for name in args.peers if name not in available() or name == "sbm"]
+    if unknown:
+        others = [name for name in available() if name != "sbm"]
+        p.error(f"--peers: {' '.join(unknown)} not among the mechanisms {' '.join(others)}")
     check_numbers(
         p,
         args,
         positive=("sizes", "batch", "heads", "head_dim", "clusters", "long", "lra_step"),
         non_negative=("warmup", "layer_processes"),
     )
-    check_numbers(p, args, positive=("lra_batch", "calibrate", "max_gib"))
+    check_numbers(p, args, positive=("lra_batch", "calibrate", "max_gib", "peer_sizes"))
     from sbm_jax.kernels import KERNELS
 
     impls = ("segment", *KERNELS)
@@ -680,13 +781,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _layer_case(text: str) -> tuple[int, float]:
-    """``"4096:0.05"`` -> ``(4096, 0.05)``; a ValueError unless n >= 1 and density in (0, 1]."""
-    n_text, density_text = text.split(":")
-    n, density = int(n_text), float(density_text)
-    if n < 1 or not 0.0 < density <= 1.0:
+def _layer_case(text: str) -> tuple[int, float, int | None]:
+    """``"4096:0.05"`` -> ``(4096, 0.05, None)`` (the run's ``--batch``),
+    ``"16384:0.01:1"`` -> ``(16384, 0.01, 1)``; a ValueError unless n >= 1, density in
+    (0, 1] and batch >= 1."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
         raise ValueError(text)
-    return n, density
+    n, density = int(parts[0]), float(parts[1])
+    batch = int(parts[2]) if len(parts) == 3 else None
+    if n < 1 or not 0.0 < density <= 1.0 or (batch is not None and batch < 1):
+        raise ValueError(text)
+    return n, density, batch
+
+
+def layer_dtype(name: str) -> Any:
+    """``--layer-dtype`` as a dtype (``auto``: bfloat16 on GPU, else float32)."""
+    if name == "auto":
+        name = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return jnp.dtype(name)
+
+
+def case_kinds(args: argparse.Namespace, n: int) -> list[str]:
+    """The layers of a case at length ``n``, the exact baseline first (every time ratio is
+    the median of the per-round ratios to it): ``full``, ``full_xla``, ``sbm``, and the
+    peers where ``n`` is one of ``--peer-sizes``."""
+    kinds = ["full", *([] if args.no_naive else ["full_xla"]), "sbm"]
+    return kinds + (list(args.peers) if n in args.peer_sizes else [])
 
 
 def check_numbers(
@@ -856,8 +977,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kq, kk, kv, kg = jax.random.split(key, 4)
         shape = (b, h, n, d)
         q, k, v, g = (jax.random.normal(kk_, shape) for kk_ in (kq, kk, kv, kg))
-        for which in ("jax.nn.dot_product_attention", "dense_masked_attention")[
-            : 0 if args.no_core else 2
+        exact = EXACT_CORES[baseline_name(baseline_options(jnp.bfloat16))]
+        for which in (exact, "jax.nn.dot_product_attention", "dense_masked_attention")[
+            : 0 if args.no_core else 3
         ]:
             rec = {"section": "dense", "n": n, "impl": which}
             rec.update(measure(dense_fwd_bwd(which), (q, k, v, g), **kw))
@@ -933,18 +1055,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(rec)
 
     if not args.no_layer:
-        for n, dd in args.layer_cases:
+        dtype = layer_dtype(args.layer_dtype)
+        for n, dd, case_batch in args.layer_cases:
+            bc = b if case_batch is None else case_batch
             if args.layer_processes:
-                for rec in layer_case_in_processes(args, n, dd):
+                for rec in layer_case_in_processes(args, n, dd, case_batch):
                     log(rec)
                 continue
-            # Full and SBM layers (the module's defaults) timed in alternation.
+            # The exact baseline first, then the naive full layer, SBM (the module's
+            # defaults) and the peers, timed in alternation, shuffled within each round.
             recs, loads = [], []
-            for kind in ("full", "sbm"):
-                rec = {"section": "layer", "n": n, "density": dd, "kind": kind}
+            for kind in case_kinds(args, n):
+                rec = {"section": "layer", "n": n, "density": dd, "kind": kind, "batch": bc}
+                rec.update(heads=h, dtype=jnp.dtype(dtype).name)
                 options = args.layer_options if kind == "sbm" else None
                 try:
-                    fn, a, info = layer_workload(kind, b, h, d, n, dd, options)
+                    fn, a, info = layer_workload(kind, bc, h, d, n, dd, options, dtype=dtype)
                 except Exception as err:  # report, never hide: a failed layer is a result
                     rec["skipped"] = f"{type(err).__name__}: {err}"
                     log(rec)
@@ -952,19 +1078,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec.update(info)
                 recs.append(rec)
                 loads.append((fn, a))
-            for rec, info in zip(recs, measure_interleaved(loads, **kw), strict=True):
+            if recs and recs[0]["kind"] != "full":  # no baseline: no ratios, still times
+                recs[0]["note"] = "the exact baseline failed: no ratios"
+            shuffle = 0 if len(loads) > 2 else None
+            measured = measure_interleaved(loads, shuffle_seed=shuffle, **kw)
+            for rec, info in zip(recs, measured, strict=True):
                 rec.update(info)
+                if recs[0]["kind"] != "full":
+                    rec.pop("median_round_ratio", None)
+                    rec.pop("round_ratios", None)
                 log(rec)
 
     for n in args.long:
         # Batch 1: the SBM layer runs (one warm-up and one timed fwd+bwd); full attention
         # at this n is only compiled (its memory analysis), it does not fit to run here.
         bl = 1
-        rec = {"section": "long", "n": n, "density": args.long_density, "kind": "full"}
-        fn, a, _ = layer_workload("full", bl, h, d, n, args.long_density)
-        _, info = compile_checked(fn, a, float("inf"))
-        rec.update(info, batch=bl, note="compiled only")
-        log(rec)
+        for kind in ("full", "full_xla"):
+            rec = {"section": "long", "n": n, "density": args.long_density, "kind": kind}
+            fn, a, info = layer_workload(kind, bl, h, d, n, args.long_density)
+            rec.update(info)
+            _, info = compile_checked(fn, a, float("inf"))
+            rec.update(info, batch=bl, note="compiled only")
+            log(rec)
         rec = {"section": "long", "n": n, "density": args.long_density, "kind": "sbm"}
         fn, a, info = layer_workload("sbm", bl, h, d, n, args.long_density)
         rec.update(info, batch=bl)
@@ -995,13 +1130,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**header(args), "results": results}
 
 
-def layer_child_command(args: argparse.Namespace, n: int, density: float, out: str) -> list[str]:
-    """This script measuring the layer case ``n:density`` alone (nothing else in the
-    process), with this run's sizes, repeats, head mapping and layer options, its report
-    written to ``out``."""
+def layer_child_command(
+    args: argparse.Namespace, n: int, density: float, out: str, batch: int | None = None
+) -> list[str]:
+    """This script measuring the layer case ``n:density[:batch]`` alone (nothing else in
+    the process), with this run's sizes, repeats, head mapping, layer dtype, peers and
+    layer options, its report written to ``out``."""
     cmd = [sys.executable, str(Path(__file__).resolve())]
     cmd += ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
-    cmd += ["--layer-cases", f"{n}:{density}", "--batch", str(args.batch)]
+    case = f"{n}:{density}" + ("" if batch is None else f":{batch}")
+    cmd += ["--layer-cases", case, "--batch", str(args.batch)]
+    cmd += ["--layer-dtype", args.layer_dtype, "--peers", *args.peers]
+    cmd += ["--peer-sizes", *(str(x) for x in args.peer_sizes)]
+    cmd += ["--no-naive"] if args.no_naive else []
     cmd += ["--heads", str(args.heads), "--head-dim", str(args.head_dim)]
     cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     cmd += ["--max-gib", str(args.max_gib), "--head-map", args.heads_mode, "--json", out]
@@ -1015,10 +1156,10 @@ _PER_PROCESS = ("median_s", "faults_per_call", "sys_s_per_call", "user_s_per_cal
 
 
 def merge_process_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One ``full`` and one ``sbm`` layer record from the records of K processes that each
-    measured the same case.
+    """One layer record per kind (``full``, ``full_xla``, ``sbm``, peers, in the order they
+    first appear) from the records of K processes that each measured the same case.
 
-    Each figure in :data:`_PER_PROCESS` and the SBM layer's ``median_round_ratio`` become
+    Each figure in :data:`_PER_PROCESS` and each layer's ``median_round_ratio`` become
     the median over the processes that timed the layer, and the per-process values are
     kept (``process_<name>``). Compiled memory, path and density are the first timed
     process's (the same program and seeds in every process). A layer no process timed
@@ -1026,7 +1167,7 @@ def merge_process_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     """
     merged = []
     layer = [r for run in runs for r in run if r.get("section") == "layer"]
-    for kind in ("full", "sbm"):
+    for kind in dict.fromkeys(r.get("kind") for r in layer):
         recs = [r for r in layer if r.get("kind") == kind]
         timed = [r for r in recs if "median_s" in r]
         if not timed:
@@ -1046,8 +1187,10 @@ def merge_process_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     return merged
 
 
-def layer_case_in_processes(args: argparse.Namespace, n: int, density: float) -> list[dict]:
-    """The layer case ``n:density`` measured in ``args.layer_processes`` fresh processes,
+def layer_case_in_processes(
+    args: argparse.Namespace, n: int, density: float, batch: int | None = None
+) -> list[dict]:
+    """The layer case ``n:density[:batch]`` measured in ``args.layer_processes`` fresh processes,
     one after another (:func:`layer_child_command`), merged by
     :func:`merge_process_records`. A process that fails is reported (its last line of
     error output) as a skipped record, never hidden."""
@@ -1057,20 +1200,21 @@ def layer_case_in_processes(args: argparse.Namespace, n: int, density: float) ->
     with tempfile.TemporaryDirectory(prefix="bench_layer_") as tmp:
         for i in range(k):
             out = Path(tmp) / f"process{i}.json"
-            cmd = layer_child_command(args, n, density, str(out))
+            cmd = layer_child_command(args, n, density, str(out), batch)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 tail = (done.stderr.strip().splitlines() or ["no error output"])[-1]
                 why = f"process {i + 1}/{k} exited with {done.returncode}: {tail}"
                 print(f"{case} {why}", flush=True)
                 failed = dict(section="layer", n=n, density=density, skipped=why)
-                runs.append([{**failed, "kind": kind} for kind in ("full", "sbm")])
+                runs.append([{**failed, "kind": kind} for kind in case_kinds(args, n)])
                 continue
             recs = [r for r in json.loads(out.read_text())["results"] if r["section"] == "layer"]
             runs.append(recs)
             said = [f"{r['kind']} {_fmt(r.get('median_s', 0) * 1e3, '.1f')} ms" for r in recs]
-            ratio = [r["median_round_ratio"] for r in recs if "median_round_ratio" in r]
-            said += [f"per-round ratio {ratio[0]:.3f}"] if ratio else []
+            ratio = [r.get("median_round_ratio") for r in recs if r["kind"] == "sbm"]
+            ratio = [x for x in ratio if x is not None]
+            said += [f"SBM per-round ratio {ratio[0]:.3f}"] if ratio else []
             print(f"{case} process {i + 1}/{k}: {', '.join(said)}", flush=True)
     return merge_process_records(runs)
 
@@ -1126,6 +1270,10 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "heads_mode": args.heads_mode,
             "layer_options": getattr(args, "layer_options", {}),
             "layer_processes": getattr(args, "layer_processes", 0),
+            "layer_dtype": jnp.dtype(layer_dtype(getattr(args, "layer_dtype", "auto"))).name,
+            "baseline": baseline_options(layer_dtype(getattr(args, "layer_dtype", "auto"))),
+            "peers": list(getattr(args, "peers", [])),
+            "peer_sizes": list(getattr(args, "peer_sizes", [])),
             "edge_costs": {kernel: edge_cost(kernel) for kernel in ("rows", "segment")},
         },
         "machine": machine(),
@@ -1176,24 +1324,59 @@ def _find_any(results, **match):
     return None
 
 
+def _exact_core(res, n):
+    """The exact baseline core at ``n`` (``dense`` section), whichever implementation."""
+    for r in res:
+        if r.get("section") == "dense" and r.get("n") == n and "median_s" in r:
+            if str(r.get("impl", "")).startswith("exact"):
+                return r
+    return None
+
+
+def layer_label(r: dict[str, Any]) -> str:
+    """How the tables name a layer record: ``full (chunked, exact baseline)``, ``full
+    (xla, naive)``, ``sbm``, or the peer's registry name. (Reports written before the
+    baseline was chunked name their ``full`` layer ``full (xla, naive)``.)"""
+    kind = r.get("kind", "?")
+    if kind == "full":
+        impl = r.get("implementation")
+        return f"full ({impl}, exact baseline)" if impl else "full (xla, naive)"
+    if kind == "full_xla":
+        return "full (xla, naive)"
+    return str(kind)
+
+
+def sampled_edges(r: dict[str, Any]) -> float | None:
+    """Sampled edges of an SBM layer record over its batch and heads (every token real)."""
+    if r.get("sampled_density") is None or not r.get("batch") or not r.get("heads"):
+        return None
+    return r["sampled_density"] * r["n"] ** 2 * r["batch"] * r["heads"]
+
+
 def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per timed core/dense/layer/sample result with its ratios to dense."""
+    """One row per timed core/dense/layer/sample result with its ratios to the exact
+    baseline (``time_vs_exact``, ``temp_vs_exact``) and to XLA's naive attention
+    (``time_vs_naive``, ``temp_vs_naive``)."""
     res = report["results"]
     rows = []
     for r in res:
         if r["section"] in ("long", "lra", "calibrate"):
             continue
-        dense = _find(res, section="dense", n=r["n"], impl="jax.nn.dot_product_attention")
+        naive = _find(res, section="dense", n=r["n"], impl="jax.nn.dot_product_attention")
+        exact = _exact_core(res, r["n"])
         row = {
             "section": r["section"],
             "n": r["n"],
             "density": r.get("density"),
-            "what": r.get("impl", r.get("kind")),
+            "what": layer_label(r) if r["section"] == "layer" else r.get("impl", r.get("kind")),
         }
+        if r["section"] == "layer":
+            row["batch"] = r.get("batch")
         if r["section"] == "core-mem" and "temp_bytes" in r:
             row["temp_mib"] = r["temp_bytes"] / 2**20
-            if dense is not None and dense.get("temp_bytes"):
-                row["temp_vs_dense"] = r["temp_bytes"] / dense["temp_bytes"]
+            for key, base in (("exact", exact), ("naive", naive)):
+                if base is not None and base.get("temp_bytes"):
+                    row[f"temp_vs_{key}"] = r["temp_bytes"] / base["temp_bytes"]
             row["note"] = "memory only (compiled, not run), heads in one vmap"
             rows.append(row)
             continue
@@ -1203,21 +1386,41 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         row["ms"] = r["median_s"] * 1e3
         row["temp_mib"] = r.get("temp_bytes", 0) / 2**20
-        masked = _find(res, section="dense", n=r["n"], impl="dense_masked_attention")
-        if r["section"] in ("core", "dense", "sample") and masked is not None:
-            row["time_vs_masked"] = r["median_s"] / masked["median_s"]
-        if r["section"] in ("core", "dense", "sample") and dense is not None:
-            row["time_vs_dense"] = r["median_s"] / dense["median_s"]
-            if dense.get("temp_bytes"):
-                row["temp_vs_dense"] = r.get("temp_bytes", 0) / dense["temp_bytes"]
+        if r["section"] in ("core", "dense", "sample"):
+            for key, base in (("exact", exact), ("naive", naive)):
+                if base is not None:
+                    row[f"time_vs_{key}"] = r["median_s"] / base["median_s"]
+                    if base.get("temp_bytes"):
+                        row[f"temp_vs_{key}"] = r.get("temp_bytes", 0) / base["temp_bytes"]
         if r["section"] == "layer":
-            full = _find(res, section="layer", n=r["n"], density=r.get("density"), kind="full")
-            if full is not None:
-                row["time_vs_dense"] = r["median_s"] / full["median_s"]
+            same = dict(section="layer", n=r["n"], density=r.get("density"))
+            full = _find(res, **same, kind="full")
+            xla = _find(res, **same, kind="full_xla")
+            if full is not None and full.get("implementation"):  # an exact baseline
+                if r is full:
+                    row["time_vs_exact"] = 1.0
+                elif "median_round_ratio" in r:
+                    row["time_vs_exact"] = r["median_round_ratio"]
+                else:
+                    row["time_vs_exact"] = r["median_s"] / full["median_s"]
                 if full.get("temp_bytes"):
-                    row["temp_vs_dense"] = r.get("temp_bytes", 0) / full["temp_bytes"]
-            if r["kind"] == "full":
+                    row["temp_vs_exact"] = r.get("temp_bytes", 0) / full["temp_bytes"]
+            naive_layer = xla or (
+                full if full is not None and not full.get("implementation") else None
+            )
+            if naive_layer is not None:
+                row["time_vs_naive"] = r["median_s"] / naive_layer["median_s"]
+                if "median_round_ratio" in r and naive_layer is not full:
+                    ratio = naive_layer.get("median_round_ratio")
+                    if ratio:
+                        row["time_vs_naive"] = r.get("median_round_ratio", 1.0) / ratio
+                if naive_layer.get("temp_bytes"):
+                    row["temp_vs_naive"] = r.get("temp_bytes", 0) / naive_layer["temp_bytes"]
+            if r["kind"] != "sbm":
                 row["density"] = None
+            edges = sampled_edges(r) if r["kind"] == "sbm" else None
+            if edges:
+                row["bytes_per_edge"] = r.get("temp_bytes", 0) / edges
         if r["section"] == "core" and r.get("edges"):
             row["ns_per_edge"] = r["median_s"] / r["edges"] * 1e9
             row["bytes_per_edge"] = r.get("temp_bytes", 0) / r["edges"]
@@ -1269,66 +1472,74 @@ def _target(figure, target, value, why=""):
     }
 
 
-def issue14_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue-14 target table (whole layer with the module's defaults vs full)."""
+def _layer_time(res, n, dd, kind):
+    """A layer's time over the exact baseline's in its case (the median of the per-round
+    ratios where it was timed in alternation), or None."""
+    full = _find(res, section="layer", n=n, density=dd, kind="full")
+    rec = _find(res, section="layer", n=n, density=dd, kind=kind)
+    if full is None or rec is None or not full.get("implementation"):
+        return None
+    if "median_round_ratio" in rec:
+        return rec["median_round_ratio"]
+    return rec["median_s"] / full["median_s"]
+
+
+def _layer_temp(res, n, dd, kind):
+    """A layer's compiled temp bytes over the exact baseline's in its case, or None."""
+    full = _find(res, section="layer", n=n, density=dd, kind="full")
+    rec = _find(res, section="layer", n=n, density=dd, kind=kind)
+    if full is None or rec is None or not full.get("implementation"):
+        return None
+    if not full.get("temp_bytes") or "temp_bytes" not in rec:
+        return None
+    return rec["temp_bytes"] / full["temp_bytes"]
+
+
+def layer_target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The CPU targets of whole layers (module defaults, B=2 unless stated) against the
+    exact baseline measured in the same process, met or not."""
     res = report["results"]
-
-    def layer_ratio(n, dd, key):
-        full = _find(res, section="layer", n=n, density=dd, kind="full")
-        sbm = _find(res, section="layer", n=n, density=dd, kind="sbm")
-        if full is None or sbm is None or not full.get(key):
-            return None
-        if key == "median_s" and "median_round_ratio" in sbm:
-            return sbm["median_round_ratio"]
-        return sbm[key] / full[key]
-
-    out = [
+    time = lambda n, dd, kind="sbm": _layer_time(res, n, dd, kind)
+    temp = lambda n, dd, kind="sbm": _layer_temp(res, n, dd, kind)
+    over = lambda a, b: None if a is None or b is None or not b else a / b
+    sbm_l = _find(res, section="layer", n=16384, density=0.01, kind="sbm")
+    per_edge = None
+    if sbm_l is not None and sampled_edges(sbm_l) and "temp_bytes" in sbm_l:
+        per_edge = sbm_l["temp_bytes"] / sampled_edges(sbm_l)
+    return [
+        _target("SBM 5%, n=4096: time / exact full", 0.5, time(4096, 0.05)),
+        _target("SBM 5%, n=4096: temp memory / exact full", 0.6, temp(4096, 0.05)),
+        _target("SBM 1%, n=4096: time / exact full", 0.2, time(4096, 0.01)),
+        _target("SBM 1%, n=4096: temp memory / exact full", 0.3, temp(4096, 0.01)),
         _target(
-            "whole-layer temp memory SBM / full, 5%, n=4096",
-            0.25,
-            layer_ratio(4096, 0.05, "temp_bytes"),
-        ),
-        _target(
-            "whole-layer temp memory SBM / full, density 0.9, n=2048 (dense path)",
+            "SBM 1%, n=4096: time / Performer's",
             1.0,
-            layer_ratio(2048, 0.9, "temp_bytes"),
+            over(time(4096, 0.01), time(4096, 0.01, "performer")),
         ),
         _target(
-            "whole-layer time SBM / full, 5%, n=4096", 0.6, layer_ratio(4096, 0.05, "median_s")
+            "SBM 1%, n=4096: temp memory / Performer's",
+            1.0,
+            over(temp(4096, 0.01), temp(4096, 0.01, "performer")),
         ),
+        _target("SBM 1%, n=16384, B=1: time / exact full", 0.06, time(16384, 0.01)),
+        _target("SBM 1%, n=16384, B=1: temp memory / exact full", 0.5, temp(16384, 0.01)),
+        _target("SBM 1%, n=16384, B=1: compiled temp bytes per sampled edge", 32, per_edge),
+        _target("SBM density 0.9, n=2048 (dense path): time / exact full", 1.5, time(2048, 0.9)),
         _target(
-            "whole-layer time SBM / full, density 0.9, n=2048",
-            1.5,
-            layer_ratio(2048, 0.9, "median_s"),
+            "SBM density 0.9, n=2048 (dense path): temp memory / exact full",
+            0.8,
+            temp(2048, 0.9),
         ),
-        _target("n=1024, 5%: time SBM / full", 1.0, layer_ratio(1024, 0.05, "median_s")),
-        _target("n=1024, 5%: temp memory SBM / full", 1.0, layer_ratio(1024, 0.05, "temp_bytes")),
     ]
-    full_l = _find_any(res, section="long", n=32768, kind="full")
-    sbm_l = _find_any(res, section="long", n=32768, kind="sbm")
-    val = None
-    if full_l and sbm_l and full_l.get("temp_bytes") and "temp_bytes" in sbm_l:
-        val = sbm_l["temp_bytes"] / full_l["temp_bytes"]
-    out.append(
-        _target("n=32768, ~1%, batch 1: SBM temp / full attention's compiled temp", 0.05, val)
-    )
-    samp = _find(res, section="sample", n=TARGET_N, kind="fastRG bernoulli")
-    core = _find(res, section="core", n=TARGET_N, density=0.05, impl="rows")
-    val = None
-    if samp is not None and "median_round_ratio" in samp:
-        val = samp["median_round_ratio"]  # timed in alternation with the core
-    elif samp is not None and core is not None:
-        val = samp["median_s"] / core["median_s"]
-    out.append(_target("fastRG (bernoulli) time / attention core (rows) fwd+bwd, 5%", 1.0, val))
-    return out
 
 
-def issue4_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue-4 kernel table, for every kernel measured."""
+def kernel_target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The edge-core targets at n=4096 for every kernel measured, against the exact
+    baseline core (``vs_naive``: the same figure against XLA's naive attention)."""
     res = report["results"]
     n = TARGET_N
-    dense = _find(res, section="dense", n=n, impl="jax.nn.dot_product_attention")
-    masked = _find(res, section="dense", n=n, impl="dense_masked_attention")
+    exact = _exact_core(res, n)
+    naive = _find(res, section="dense", n=n, impl="jax.nn.dot_product_attention")
     out = []
     for impl in report["config"]["impls"]:
 
@@ -1337,15 +1548,25 @@ def issue4_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
         def add(figure, target, value, alt=None, impl=impl):
             row = _target(figure, target, value)
-            row.update(impl=impl, vs_dense_masked=alt)
+            row.update(impl=impl, vs_naive=alt)
             out.append(row)
 
         c1, c5 = core(n, 0.01), core(n, 0.05)
         c2 = core(n // 2, 0.10)
-        div = lambda a, b_, key="median_s": None if a is None or b_ is None else a[key] / b_[key]
-        add("core fwd+bwd time / dense, density 1%", 0.10, div(c1, dense), div(c1, masked))
-        add("core fwd+bwd time / dense, density 5%", 0.30, div(c5, dense), div(c5, masked))
-        add("core temp memory / dense, density 5%", 0.05, div(c5, dense, "temp_bytes"))
+
+        def div(a, b_, key="median_s"):
+            if a is None or b_ is None or key not in a or not b_.get(key):
+                return None
+            return a[key] / b_[key]
+
+        add("core fwd+bwd time / exact, density 1%", 0.10, div(c1, exact), div(c1, naive))
+        add("core fwd+bwd time / exact, density 5%", 0.30, div(c5, exact), div(c5, naive))
+        add(
+            "core temp memory / exact, density 5%",
+            0.05,
+            div(c5, exact, "temp_bytes"),
+            div(c5, naive, "temp_bytes"),
+        )
         c5v = next(
             (
                 r
@@ -1359,11 +1580,21 @@ def issue4_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             None,
         )
         add(
-            "core temp memory / dense, density 5%, heads in one vmap (as on accelerators)",
+            "core temp memory / exact, density 5%, heads in one vmap (as on accelerators)",
             0.05,
-            div(c5v, dense, "temp_bytes"),
+            div(c5v, exact, "temp_bytes"),
+            div(c5v, naive, "temp_bytes"),
         )
         add("time n=2048 -> n=4096 at 205 edges/query", 2.3, div(c5, c2))
+    samp = _find(res, section="sample", n=n, kind="fastRG bernoulli")
+    c5 = _find(res, section="core", n=n, density=0.05, impl="rows")
+    val = None
+    if samp is not None and "median_round_ratio" in samp:
+        val = samp["median_round_ratio"]  # timed in alternation with the core
+    elif samp is not None and c5 is not None:
+        val = samp["median_s"] / c5["median_s"]
+    row = _target("fastRG (bernoulli) time / attention core fwd+bwd, 5%", 1.0, val)
+    out.append({**row, "impl": "rows", "vs_naive": None})
     return out
 
 
@@ -1375,20 +1606,19 @@ def long_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         full = _find_any(report["results"], section=r["section"], n=r["n"], kind="full")
         row = {
-            "what": "SBM layer fwd+bwd" if r["section"] == "long" else "LRA encoder train step",
+            "what": "layer fwd+bwd" if r["section"] == "long" else "LRA encoder train step",
             "n": r["n"],
-            "kind": r["kind"],
+            "kind": layer_label(r) if r["section"] == "long" else r["kind"],
             "batch": r.get("batch"),
             "temp_gib": r.get("temp_bytes", 0) / GIB if "temp_bytes" in r else None,
             "s": r.get("median_s"),
             "rss": r.get("peak_rss_gib"),
             "note": r.get("note", ""),
         }
-        if r["kind"] == "sbm":
-            if full is not None and full.get("temp_bytes") and "temp_bytes" in r:
-                row["vs_full"] = r["temp_bytes"] / full["temp_bytes"]
-            if "sampled_density" in r:
-                row["note"] = f"sampled density {r['sampled_density']:.4f}, path {r.get('path')}"
+        if r is not full and full is not None and full.get("temp_bytes") and "temp_bytes" in r:
+            row["vs_full"] = r["temp_bytes"] / full["temp_bytes"]
+        if r["kind"] == "sbm" and "sampled_density" in r:
+            row["note"] = f"sampled density {r['sampled_density']:.4f}, path {r.get('path')}"
         rows.append(row)
     return rows
 
@@ -1411,6 +1641,16 @@ def markdown(report: dict[str, Any], command: str) -> str:
         if not options
         else "the module's defaults but " + ", ".join(f"`{k}={v!r}`" for k, v in options.items())
     )
+    base = cfg.get("baseline")
+    if base:
+        base_text = (
+            f"the exact `full` layer with `implementation={base['implementation']!r}`"
+            + (f" (`query_chunk={base['query_chunk']}`)" if "query_chunk" in base else "")
+            + ", the best exact attention on this backend"
+        )
+    else:
+        base_text = "the `full` layer with XLA's naive attention (a report from before the "
+        base_text += "exact baseline)"
     lines = [
         f"Command: `{command}`",
         "",
@@ -1420,13 +1660,16 @@ def markdown(report: dict[str, Any], command: str) -> str:
             else []
         ),
         f"Machine: {machine_text(mach)}. "
-        f"B={cfg['batch']}, H={cfg['heads']}, d_h={cfg['head_dim']}, float32, "
-        f"forward + backward, median of {cfg['repeats']} after {cfg['warmup']} warm-up "
-        f"call(s). Layer rows: `SBMAttention` with {layer} against the `full` layer "
-        "(same projections, `jax.nn.dot_product_attention`), timed in alternation in one "
-        "process, the padding mask and the output's cotangent passed as inputs of the "
-        "compiled step (as in a training step; not constants XLA could fold); their time "
-        "ratio is the median of the per-round ratios."
+        f"B={cfg['batch']} (unless stated), H={cfg['heads']}, d_h={cfg['head_dim']}, "
+        f"{cfg.get('layer_dtype', 'float32')} layers, forward + backward, median of "
+        f"{cfg['repeats']} after {cfg['warmup']} warm-up call(s). Every ratio divides by "
+        f"{base_text}; the naive one (`jax.nn.dot_product_attention` with no "
+        "implementation, `[B, H, n, n]` scores) is reported beside it. Layer rows: "
+        f"`SBMAttention` with {layer}, the peers with theirs, against the same baseline "
+        "(same projections), timed in alternation in one process (shuffled within each "
+        "round), the padding mask and the output's cotangent passed as inputs of the "
+        "compiled step (as in a training step; not constants XLA could fold); time "
+        "ratios are the medians of the per-round ratios."
         + (
             f" Each layer case ran in {cfg['layer_processes']} fresh processes of its own, "
             "one after another (nothing else measured in them): a layer row's figures are "
@@ -1434,23 +1677,44 @@ def markdown(report: dict[str, Any], command: str) -> str:
             if cfg.get("layer_processes")
             else ""
         )
-        + " Core rows: ratios to `jax.nn.dot_product_attention` at the same n.",
+        + " Core rows: ratios to the exact core and to `jax.nn.dot_product_attention` at "
+        "the same n.",
         "",
-        "### Issue-14 targets (whole layer, module defaults)",
+        "### Layer targets (CPU; whole layers, module defaults, against exact full attention)",
         "",
         "| figure | target | measured | met |",
         "|---|---|---|---|",
     ]
-    for t in issue14_rows(report):
+    for t in layer_target_rows(report):
         met = _fmt(t["met"]) if t["met"] is not None else "not measured"
         lines.append(f"| {t['figure']} | <= {t['target']} | {_fmt(t['value'])} | {met} |")
+    rows = ratio_rows(report)
+    layer_rows = [r for r in rows if r["section"] == "layer"]
+    if layer_rows:
+        lines += [
+            "",
+            "### Whole layers (fwd+bwd) against exact full attention",
+            "",
+            "| n | B | density | layer | ms | time / exact | temp MiB | temp / exact "
+            "| time / naive | temp / naive | temp B/sampled edge | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in layer_rows:
+            lines.append(
+                f"| {r['n']} | {_fmt(r.get('batch'))} | {_fmt(r.get('density'))} | {r['what']} "
+                f"| {_fmt(r.get('ms'), '.1f')} | {_fmt(r.get('time_vs_exact'))} "
+                f"| {_fmt(r.get('temp_mib'), '.1f')} | {_fmt(r.get('temp_vs_exact'))} "
+                f"| {_fmt(r.get('time_vs_naive'))} | {_fmt(r.get('temp_vs_naive'))} "
+                f"| {_fmt(r.get('bytes_per_edge'))} | {r.get('note', '')} |"
+            )
     lr = long_rows(report)
     if lr:
         lines += [
             "",
             "### Long sequences (batch 1, 2 heads; full attention compiled, not run)",
             "",
-            "| what | n | attention | temp GiB | temp / full | one step s | peak RSS GiB | note |",
+            "| what | n | attention | temp GiB | temp / exact full | one step s "
+            "| peak RSS GiB | note |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in lr:
@@ -1471,38 +1735,41 @@ def markdown(report: dict[str, Any], command: str) -> str:
                     # Reports written before "edge_costs" hold only the rows entry.
                     f"{cfg.get('edge_costs', {}).get(kernel, cfg.get('edge_cost_rows'))}."
                 )
-    i4 = issue4_rows(report)
-    if any(t["value"] is not None for t in i4):
+    kt = kernel_target_rows(report)
+    if any(t["value"] is not None for t in kt):
         lines += [
             "",
-            "### Issue-4 kernel targets (n=4096)",
+            "### Kernel targets (n=4096, against the exact core)",
             "",
-            "| kernel | figure | target | measured | met | vs our dense_masked_attention |",
+            "| kernel | figure | target | measured | met | the same / naive XLA |",
             "|---|---|---|---|---|---|",
         ]
-        for t in i4:
+        for t in kt:
             met = _fmt(t["met"]) if t["met"] is not None else "not measured"
             lines.append(
                 f"| {t['impl']} | {t['figure']} | <= {t['target']} | {_fmt(t['value'])} "
-                f"| {met} | {_fmt(t['vs_dense_masked'])} |"
+                f"| {met} | {_fmt(t['vs_naive'])} |"
             )
-    lines += [
-        "",
-        "### All measurements",
-        "",
-        "| section | n | density | what | ms | time / dense | time / dense_masked | temp MiB "
-        "| temp / dense | ns/edge | temp B/edge | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in ratio_rows(report):
-        lines.append(
-            f"| {r['section']} | {r['n']} | {_fmt(r.get('density'))} | {r['what']} "
-            f"| {_fmt(r.get('ms'), '.1f')} | {_fmt(r.get('time_vs_dense'))} "
-            f"| {_fmt(r.get('time_vs_masked'))} "
-            f"| {_fmt(r.get('temp_mib'), '.1f')} | {_fmt(r.get('temp_vs_dense'))} "
-            f"| {_fmt(r.get('ns_per_edge'))} | {_fmt(r.get('bytes_per_edge'))} "
-            f"| {r.get('note', '')} |"
-        )
+    other = [r for r in rows if r["section"] != "layer"]
+    if other:
+        lines += [
+            "",
+            "### Cores, dense attention and the sampler",
+            "",
+            "| section | n | density | what | ms | time / exact | time / naive | temp MiB "
+            "| temp / exact | temp / naive | ns/edge | temp B/edge | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in other:
+            lines.append(
+                f"| {r['section']} | {r['n']} | {_fmt(r.get('density'))} | {r['what']} "
+                f"| {_fmt(r.get('ms'), '.1f')} | {_fmt(r.get('time_vs_exact'))} "
+                f"| {_fmt(r.get('time_vs_naive'))} "
+                f"| {_fmt(r.get('temp_mib'), '.1f')} | {_fmt(r.get('temp_vs_exact'))} "
+                f"| {_fmt(r.get('temp_vs_naive'))} "
+                f"| {_fmt(r.get('ns_per_edge'))} | {_fmt(r.get('bytes_per_edge'))} "
+                f"| {r.get('note', '')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -1560,8 +1827,8 @@ def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    head = f"{'section':7s} {'n':>5s} {'density':8s} {'what':30s} {'ms':>9s} {'/dense':>8s}"
-    print(f"\n{head} {'tempMiB':>9s} {'/dense':>7s}")
+    head = f"{'section':7s} {'n':>5s} {'density':8s} {'what':30s} {'ms':>9s} {'/exact':>8s}"
+    print(f"\n{head} {'tempMiB':>9s} {'/exact':>7s} {'/naive':>7s}")
     for r in ratio_rows(report):
         if "ms" not in r:
             dens = _fmt(r.get("density"))
@@ -1569,16 +1836,16 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         print(
             f"{r['section']:7s} {r['n']:5d} {_fmt(r.get('density')):8s} {r['what']:30s} "
-            f"{r['ms']:9.1f} {_fmt(r.get('time_vs_dense')):>8s} {r['temp_mib']:9.1f} "
-            f"{_fmt(r.get('temp_vs_dense')):>7s}"
+            f"{r['ms']:9.1f} {_fmt(r.get('time_vs_exact')):>8s} {r['temp_mib']:9.1f} "
+            f"{_fmt(r.get('temp_vs_exact')):>7s} {_fmt(r.get('temp_vs_naive')):>7s}"
         )
     for r in long_rows(report):
         print(
             f"{r['what']} n={r['n']} {r['kind']}: temp {_fmt(r['temp_gib'])} GiB, "
             f"vs full {_fmt(r.get('vs_full'))}, {_fmt(r['s'])} s {r['note']}"
         )
-    print("\nissue-14 targets:")
-    for t in issue14_rows(report):
+    print("\nlayer targets (against exact full attention):")
+    for t in layer_target_rows(report):
         print(f"  {t['figure']:72s} <= {t['target']:<5} {_fmt(t['value'])}")
 
 

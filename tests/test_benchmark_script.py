@@ -48,33 +48,79 @@ def test_old_markers_are_migrated_and_missing_block_appended(bench, tmp_path):
     assert other.read_text().startswith("# Only prose") and "table" in other.read_text()
 
 
-def test_issue14_table_from_a_saved_report(bench):
-    # Ratios and verdicts from measured records (no timing here).
-    rec = dict(section="layer", n=4096, density=0.05)
+def test_layer_target_table_from_a_saved_report(bench):
+    # Ratios and verdicts from measured records (no timing here): against the exact
+    # (chunked) full layer of the same case, never the naive one beside it.
+    rec = dict(section="layer", n=4096, density=0.05, batch=2, heads=2)
+    exact = {**rec, "kind": "full", "implementation": "chunked", "median_s": 2.0}
     report = {
         "config": {"impls": ["rows"], "batch": 2, "heads": 2, "head_dim": 32},
         "results": [
-            {**rec, "kind": "full", "median_s": 2.0, "temp_bytes": 1000},
-            {**rec, "kind": "sbm", "median_s": 1.0, "temp_bytes": 200, "median_round_ratio": 0.55},
+            {**exact, "temp_bytes": 1000},
+            {**rec, "kind": "full_xla", "median_s": 6.0, "temp_bytes": 9000,
+             "median_round_ratio": 3.0},
+            {**rec, "kind": "sbm", "median_s": 1.0, "temp_bytes": 200, "median_round_ratio": 0.45},
         ],
-    }
-    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
-    mem = rows["whole-layer temp memory SBM / full, 5%, n=4096"]
+    }  # fmt: skip
+    rows = {r["figure"]: r for r in bench.layer_target_rows(report)}
+    mem = rows["SBM 5%, n=4096: temp memory / exact full"]
     assert mem["value"] == pytest.approx(0.2) and mem["met"] is True
-    tim = rows["whole-layer time SBM / full, 5%, n=4096"]
-    assert tim["value"] == pytest.approx(0.55) and tim["met"] is True
-    assert rows["n=1024, 5%: time SBM / full"]["value"] is None
-    fastrg = "fastRG (bernoulli) time / attention core (rows) fwd+bwd, 5%"
+    tim = rows["SBM 5%, n=4096: time / exact full"]
+    assert tim["value"] == pytest.approx(0.45) and tim["met"] is True
+    assert rows["SBM 1%, n=4096: time / exact full"]["value"] is None
+    full_row, naive_row, sbm_row = bench.ratio_rows(report)
+    assert full_row["what"] == "full (chunked, exact baseline)"
+    assert naive_row["what"] == "full (xla, naive)" and naive_row["time_vs_exact"] == 3.0
+    assert sbm_row["time_vs_naive"] == pytest.approx(0.15)  # 0.45 / 3.0, per-round ratios
+    assert sbm_row["temp_vs_naive"] == pytest.approx(200 / 9000)
+    # 1% at n=4096 against Performer, and bytes per sampled edge at n=16384, B=1.
+    one = dict(section="layer", n=4096, density=0.01, batch=2, heads=2)
+    report["results"] += [
+        {**one, "kind": "full", "implementation": "chunked", "median_s": 2.0, "temp_bytes": 1000},
+        {**one, "kind": "sbm", "median_s": 0.3, "median_round_ratio": 0.15, "temp_bytes": 250},
+        {**one, "kind": "performer", "median_s": 0.4, "median_round_ratio": 0.2,
+         "temp_bytes": 200},
+    ]  # fmt: skip
+    long = dict(section="layer", n=16384, density=0.01, batch=1, heads=2)
+    report["results"] += [
+        {**long, "kind": "full", "implementation": "chunked", "median_s": 4.0, "temp_bytes": 10},
+        {**long, "kind": "sbm", "median_s": 0.2, "sampled_density": 0.01, "temp_bytes": 2**27},
+    ]
+    rows = {r["figure"]: r for r in bench.layer_target_rows(report)}
+    assert rows["SBM 1%, n=4096: time / Performer's"]["value"] == pytest.approx(0.75)
+    perf_mem = rows["SBM 1%, n=4096: temp memory / Performer's"]
+    assert perf_mem["value"] == pytest.approx(1.25) and perf_mem["met"] is False
+    per_edge = rows["SBM 1%, n=16384, B=1: compiled temp bytes per sampled edge"]
+    assert per_edge["value"] == pytest.approx(2**27 / (0.01 * 16384**2 * 2))
+    # A report from before the exact baseline (its full layer naive) gives no layer
+    # ratios against "exact full": they would be the naive ones under another name.
+    old = {
+        "config": report["config"],
+        "results": [dict(report["results"][0]), report["results"][2]],
+    }
+    del old["results"][0]["implementation"]
+    assert bench.layer_target_rows(old)[0]["value"] is None
+    assert bench.ratio_rows(old)[0]["what"] == "full (xla, naive)"
+    fastrg = "fastRG (bernoulli) time / attention core fwd+bwd, 5%"
+    rows = {r["figure"]: r for r in bench.kernel_target_rows(report)}
     assert rows[fastrg]["value"] is None  # neither measured
     core = dict(section="core", n=4096, density=0.05, impl="rows", median_s=0.5)
     sample = dict(section="sample", n=4096, density=0.05, kind="fastRG bernoulli", median_s=0.6)
     report["results"] += [core, sample]
-    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    rows = {r["figure"]: r for r in bench.kernel_target_rows(report)}
     assert rows[fastrg]["value"] == pytest.approx(1.2) and rows[fastrg]["met"] is False
     # Timed in alternation with the core: the median of the per-round ratios counts.
     sample.update(median_round_ratio=0.95, core_median_s=0.6)
-    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
+    rows = {r["figure"]: r for r in bench.kernel_target_rows(report)}
     assert rows[fastrg]["value"] == pytest.approx(0.95) and rows[fastrg]["met"] is True
+    # Core ratios divide by the exact core, the naive one beside it.
+    report["results"] += [
+        dict(section="dense", n=4096, impl="exact: chunked", median_s=1.0, temp_bytes=100),
+        dict(section="dense", n=4096, impl="jax.nn.dot_product_attention", median_s=2.0),
+    ]
+    rows = {r["figure"]: r for r in bench.kernel_target_rows(report)}
+    five = rows["core fwd+bwd time / exact, density 5%"]
+    assert five["value"] == pytest.approx(0.5) and five["vs_naive"] == pytest.approx(0.25)
     (row,) = [r for r in bench.ratio_rows(report) if r["what"] == "fastRG bernoulli"]
     assert "alternation" in row["note"] and "600.0 ms" in row["note"], row
 
@@ -118,7 +164,7 @@ def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, 
         bench.parse_args(["--layer-options", "ste"])  # not FIELD=VALUE
     seen = []
 
-    def fake_workload(kind, b, h, d, n, density, options=None, shift=None):
+    def fake_workload(kind, b, h, d, n, density, options=None, shift=None, dtype=None):
         seen.append((kind, options))
         return (lambda *a: None), (), {}
 
@@ -130,8 +176,12 @@ def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, 
     out = tmp_path / "run.json"
     argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
     argv += ["--layer-cases", "64:0.05", "--layer-options", "ste=pairs", "--json", str(out)]
-    bench.main(argv)
-    assert seen == [("full", None), ("sbm", {"ste": "pairs"})]
+    bench.main([*argv, "--peers", "performer", "--peer-sizes", "32"])  # no peers at n=64
+    assert seen == [("full", None), ("full_xla", None), ("sbm", {"ste": "pairs"})]
+    seen.clear()
+    bench.main([*argv, "--peers", "performer", "local", "--peer-sizes", "64"])
+    kinds = ["full", "full_xla", "sbm", "performer", "local"]
+    assert seen == [(k, {"ste": "pairs"} if k == "sbm" else None) for k in kinds]
     saved = json.loads(out.read_text())
     assert saved["config"]["layer_options"] == {"ste": "pairs"}
     md = tmp_path / "b.md"
@@ -276,7 +326,8 @@ def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path
             return real_run(cmd, **kw)
         assert cmd[:2] == [sys.executable, str(Path(bench.__file__).resolve())]
         child = bench.parse_args(cmd[2:])
-        assert child.layer_cases == [(1024, 0.05)] and child.no_core and child.no_sampler
+        assert child.layer_cases == [(1024, 0.05, None)] and child.no_core and child.no_sampler
+        assert child.peers == ["performer"] and child.peer_sizes == [4096]
         assert child.long == [] and child.lra_step == [] and child.no_targets
         assert (child.batch, child.heads, child.repeats, child.warmup) == (1, 3, 7, 2)
         assert child.layer_options == {"ste": "pairs"} and child.heads_mode == "vmap"
@@ -286,7 +337,8 @@ def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path
         r = next(ratios)
         rec = dict(section="layer", n=1024, density=0.05, temp_bytes=100)
         recs = [
-            {**rec, "kind": "full", "median_s": 0.1 * len(seen), "times_s": [0.1] * 7},
+            {**rec, "kind": "full", "median_s": 0.1 * len(seen), "times_s": [0.1] * 7,
+             "implementation": "chunked"},
             {**rec, "kind": "sbm", "median_s": 0.1 * len(seen) * r, "median_round_ratio": r,
              "path": 1, "sampled_density": 0.05, "temp_bytes": 40, "round_ratios": [r] * 7},
         ]  # fmt: skip
@@ -298,20 +350,23 @@ def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path
     argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
     argv += ["--layer-cases", "1024:0.05", "--layer-processes", "5", "--batch", "1"]
     argv += ["--heads", "3", "--repeats", "7", "--warmup", "2", "--head-map", "vmap"]
+    argv += ["--peers", "performer"]
     bench.main([*argv, "--layer-options", "ste=pairs", "--json", str(out)])
     assert len(seen) == 5
     report = json.loads(out.read_text())
-    full, sbm = (r for r in report["results"] if r["section"] == "layer")
+    # (The failed process's skipped full_xla record is kept too: these children timed no
+    # naive layer.)
+    full, sbm, naive = (r for r in report["results"] if r["section"] == "layer")
+    assert naive["kind"] == "full_xla" and "skipped" in naive
     # Four processes timed the layers (0.9, 0.7, 0.8, and 1.1 for the fourth and fifth
     # calls' order): medians over them, the per-process values kept.
     assert sbm["process_median_round_ratio"] == [0.9, 0.7, 1.1, 0.8]
     assert sbm["median_round_ratio"] == pytest.approx(0.85) and sbm["processes"] == 4
     assert full["median_s"] == pytest.approx(np.median([0.1, 0.2, 0.4, 0.5]))
     assert "times_s" not in full and "round_ratios" not in sbm
-    rows = {r["figure"]: r for r in bench.issue14_rows(report)}
-    assert rows["n=1024, 5%: time SBM / full"]["value"] == pytest.approx(0.85)
-    assert rows["n=1024, 5%: temp memory SBM / full"]["value"] == pytest.approx(0.4)
-    _, sbm_row = bench.ratio_rows(report)
+    _, sbm_row, _ = bench.ratio_rows(report)
+    assert sbm_row["time_vs_exact"] == pytest.approx(0.85)
+    assert sbm_row["temp_vs_exact"] == pytest.approx(0.4)
     assert "0.850 (the median over 4 processes, which read 0.700-1.100)" in sbm_row["note"]
     md = tmp_path / "b.md"
     bench.main(["--from-json", str(out), "--markdown", str(md)])
@@ -328,7 +383,8 @@ def test_layer_cases_in_fresh_processes_report_medians_and_range(bench, tmp_path
     )
     bench.main([*argv, "--json", str(out)])
     recs = json.loads(out.read_text())["results"]
-    assert [r["skipped"] for r in recs] == ["process 1/5 exited with 137: Killed"] * 2
+    assert [r["skipped"] for r in recs] == ["process 1/5 exited with 137: Killed"] * 3
+    assert [r["kind"] for r in recs] == ["full", "full_xla", "sbm"]
 
 
 @pytest.mark.slow
@@ -338,8 +394,9 @@ def test_layer_processes_run_this_script_for_real(bench, tmp_path):
     argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step"]
     argv += ["--layer-cases", "64:0.5", "--layer-processes", "2", "--batch", "1"]
     bench.main([*argv, "--repeats", "5", "--json", str(out)])
-    full, sbm = json.loads(out.read_text())["results"]
-    assert (full["kind"], sbm["kind"]) == ("full", "sbm") and sbm["processes"] == 2
+    full, naive, sbm = json.loads(out.read_text())["results"]
+    assert (full["kind"], naive["kind"], sbm["kind"]) == ("full", "full_xla", "sbm")
+    assert full["implementation"] == "chunked" and sbm["processes"] == 2
     assert len(sbm["process_median_round_ratio"]) == 2 and full["temp_bytes"] > 0
     assert min(full["process_median_s"]) <= full["median_s"] <= max(full["process_median_s"])
     assert abs(sbm["sampled_density"] - 0.5) < 0.1

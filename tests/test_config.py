@@ -299,7 +299,11 @@ def test_option_table_scales_inherit_and_follow_the_length():
     assert poisson.edge_law == "bernoulli"  # an explicit override beats the variant's value
     assert presets.attention_options("sbm_poisson", "paper", 64).edge_law == "poisson"
     assert presets.registry_name("sbm_nowindow") == "sbm"
-    assert presets.attention_options("full", "smoke", 8).to_dict() == {}
+    assert presets.attention_options("linear", "smoke", 8).to_dict() == {}
+    # Full attention's query block keeps <= 2^21 scores per (example, head) per block.
+    full = [presets.attention_options("full", "paper", n).to_dict() for n in (8, 4096, 16384)]
+    assert [f["query_chunk"] for f in full] == [512, 512, 128]
+    assert {f["implementation"] for f in full} == {"auto"}
 
 
 def _diff(flat: dict, ref: dict) -> dict:

@@ -107,6 +107,16 @@ def _as_fields(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
 
 
+def _compute_dtype(model: Any) -> dict[str, Any]:
+    """``{"dtype": <model.dtype>}`` as the encoder passes it to the attention layer (a
+    mechanism's validate() may depend on it: full attention's cuDNN implementation), or
+    ``{}`` when ``model.dtype`` is bad (reported by check_model)."""
+    try:
+        return {"dtype": model_dtype(str(model.get("dtype", "float32")))}
+    except ValueError:
+        return {}
+
+
 def check_attention_options(model: Any, errors: list[str]) -> None:
     """Append a message per bad ``model.attention`` / ``model.attention_options.*``."""
     try:
@@ -158,6 +168,7 @@ def check_attention_options(model: Any, errors: list[str]) -> None:
             head_dim=model.get("head_dim"),
             out_dim=model.get("emb_dim"),  # as the encoder builds it
             attention_dropout=model.get("attention_dropout", 0.0),
+            **_compute_dtype(model),
             **options,
         )
         validate = getattr(module, "validate", None)
