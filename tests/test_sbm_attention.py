@@ -354,6 +354,8 @@ def test_dense_probs_match_memberships():
         (dict(impl="dense", max_dense_elements=10), "max_dense_elements"),
         (dict(ste="straight"), "ste"),
         (dict(ste="pairs", pair_probes=0), "pair_probes"),
+        (dict(impl="streamed", stream_rows=-1), "stream_rows"),
+        (dict(impl="streamed", stream_rows=8, stream_slots=4), "stream_slots"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
@@ -946,3 +948,13 @@ def test_streamed_core_matches_dense_reference_on_its_graphs(law, ste, forced, s
         ("q", "k", "v", "q_memb", "block", "k_memb"), grads, ref_grads, strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_block_buffer_too_small_for_a_draw_per_row_is_refused_before_compilation():
+    # With the automatic block rows the check needs the length: the module's paths_for
+    # (what the trainer's config check runs for every batch) refuses it, naming the field.
+    mod = SBMAttention(num_heads=2, head_dim=4, impl="streamed", stream_slots=3)
+    mod.validate()  # no length yet: fine
+    with pytest.raises(ValueError, match="stream_slots=3 is too small"):
+        mod.paths_for(2, 64)
+    assert mod.clone(stream_slots=64).paths_for(2, 64)[1]
