@@ -55,14 +55,11 @@ from sbm_jax.fastrg import (
 )
 from sbm_jax.kernels.dense import default_block_rows, streamed_sbm_attention
 from sbm_jax.kernels.pairs import with_absent_pairs
-from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES, rows_edge_attention
+from sbm_jax.kernels.rows import rows_edge_attention
 from sbm_jax.ste import clip_cotangent, edge_logit_terms
 
 #: Pairs ``bq * m`` of one streamed block that :func:`default_stream_rows` aims at.
 STREAM_TILE_ELEMENTS = 2**20
-
-#: The policy of every block branch: keep only the kernels' output and log-normaliser.
-BLOCK_POLICY = jax.checkpoint_policies.save_only_these_names(*EDGE_KERNEL_RESIDUAL_NAMES)
 
 # Salts folded into a block's key: its dense fallback and its pair probes draw from keys
 # of their own, apart from the four fastRG splits of the block key.
@@ -185,17 +182,26 @@ def streamed_graph_attention(
     """One (example, head): ``(out [n, dv], count [], edges [], overflow [], path [])``.
 
     ``plan``: the graph's :class:`~sbm_jax.fastrg.SamplingPlan` (its tables are built
-    here when missing); ``row_counts [n]``: the rows' Poisson draw counts;
+    here, in each pass, when missing); ``row_counts [n]``: the rows' Poisson draw counts;
     ``force_dense`` (``[]`` bool): every block runs dense (the bernoulli bound is too
     close to 1 for oversampling). ``count`` is the edge count whose cotangent carries the
     density term (its value is the number of edges), ``edges`` the same as an int,
     ``overflow`` whether draws were lost (only with ``cfg.dense=False``) and ``path`` the
     largest buffer index a block used (``len(cfg.capacities)``: some block ran dense).
+    Gradients reach ``q``, ``k``, ``v``, ``plan.ys`` and ``plan.z``.
     """
-    n, m = q.shape[0], k.shape[0]
+    sg = jax.lax.stop_gradient
+    rest = (key, drop_key, jax.tree.map(sg, plan), row_counts, force_dense)
+    return _stream(cfg, q, k, v, plan.ys, plan.z, rest)
+
+
+def _setup(cfg: StreamConfig, q, k, v, ys, z, rest):
+    """The blocked inputs and ``block(x, q_b, ys_b, k, v, z)``, one block's outputs."""
+    key, drop_key, plan, row_counts, force_dense = rest
+    m = k.shape[0]
     bq = cfg.block_rows
-    kc = plan.ys.shape[1]
-    plan = with_tables(plan)
+    kc = ys.shape[1]
+    plan = with_tables(plan.replace(ys=ys, z=z))
     # The [K, m] key CDF padded once per graph, not once per block.
     padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)
     xs = _blocked_inputs(cfg, plan, row_counts, q)
@@ -205,85 +211,130 @@ def streamed_graph_attention(
     def drop_rng(b):
         return jax.random.fold_in(drop_key, b) if rate > 0.0 else None
 
-    def sparse(capacity):
-        def run(x):
-            keys = block_edge_keys(cfg, key, plan, x, capacity, padded_key_cdf)
-            edges = edges_from_keys(keys, bq, m)
-            m_ste = edge_probs_straight_through(
-                x["ys"], plan.z, edges.rows, edges.cols, edges.valid
-            )
-            if cfg.ste == "reference":
-                m_ste = clip_cotangent(m_ste)
-            out = rows_edge_attention(
+    def block(x, q_b, ys_b, k, v, z):
+        x = dict(x, q=q_b, ys=ys_b)
+        zk = z[:, :kc]
+
+        def sparse(capacity):
+            def run(x):
+                keys = block_edge_keys(cfg, key, plan, x, capacity, padded_key_cdf)
+                edges = edges_from_keys(keys, bq, m)
+                m_ste = edge_probs_straight_through(x["ys"], z, edges.rows, edges.cols, edges.valid)
+                if cfg.ste == "reference":
+                    m_ste = clip_cotangent(m_ste)
+                out = rows_edge_attention(
+                    x["q"],
+                    k,
+                    v,
+                    edges,
+                    **edge_logit_terms(m_ste, cfg.ste),
+                    dropout_rate=rate,
+                    dropout_rng=drop_rng(x["b"]),
+                    return_lse=pairs,
+                )
+                if pairs:
+                    out, lse = out
+                    probe_key = jax.random.fold_in(jax.random.fold_in(key, x["b"]), _PROBE_SALT)
+                    out, num = with_absent_pairs(
+                        probe_key, x["q"], k, v, out, lse, x["ys"], z, keys,
+                        x["q_mask"], plan.k_mask, probes=cfg.pair_probes,
+                    )  # fmt: skip
+                else:
+                    num = jnp.sum(jnp.where(edges.valid, m_ste, 0.0))
+                lost = jnp.sum(x["counts"]) > capacity
+                return out.astype(v.dtype), num, edges.num_edges, lost
+
+            return run
+
+        def dense(x):
+            b = x["b"]
+            out, num = streamed_sbm_attention(
+                jax.random.fold_in(jax.random.fold_in(key, b), _DENSE_SALT),
                 x["q"],
                 k,
                 v,
-                edges,
-                **edge_logit_terms(m_ste, cfg.ste),
+                x["ys"],
+                zk,
+                x["q_mask"],
+                plan.k_mask,
+                plan.delta,
+                law=cfg.law,
+                ste=cfg.ste,
+                forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
                 dropout_rate=rate,
-                dropout_rng=drop_rng(x["b"]),
-                return_lse=pairs,
+                dropout_rng=drop_rng(b),
+                block_rows=default_block_rows(bq, m),
+                row_offset=b * bq,
             )
-            if pairs:
-                out, lse = out
-                probe_key = jax.random.fold_in(jax.random.fold_in(key, x["b"]), _PROBE_SALT)
-                out, num = with_absent_pairs(
-                    probe_key, x["q"], k, v, out, lse, x["ys"], plan.z, keys,
-                    x["q_mask"], plan.k_mask, probes=cfg.pair_probes,
-                )  # fmt: skip
-            else:
-                num = jnp.sum(jnp.where(edges.valid, m_ste, 0.0))
-            lost = jnp.sum(x["counts"]) > capacity
-            return out.astype(v.dtype), num, edges.num_edges, lost
+            edges = jax.lax.stop_gradient(num).astype(jnp.int32)
+            return out.astype(v.dtype), num, edges, jnp.asarray(False)
 
-        return run
-
-    def dense(x):
-        b = x["b"]
-        out, num = streamed_sbm_attention(
-            jax.random.fold_in(jax.random.fold_in(key, b), _DENSE_SALT),
-            x["q"],
-            k,
-            v,
-            x["ys"],
-            plan.z[:, :kc],
-            x["q_mask"],
-            plan.k_mask,
-            plan.delta,
-            law=cfg.law,
-            ste=cfg.ste,
-            forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
-            dropout_rate=rate,
-            dropout_rng=drop_rng(b),
-            block_rows=default_block_rows(bq, m),
-            row_offset=b * bq,
-        )
-        edges = jax.lax.stop_gradient(num).astype(jnp.int32)
-        return out.astype(v.dtype), num, edges, jnp.asarray(False)
-
-    branches = [sparse(c) for c in cfg.capacities]
-    if cfg.dense or not branches:
-        branches.append(dense)
-    branches = [jax.checkpoint(f, policy=BLOCK_POLICY) for f in branches]
-    caps = jnp.asarray(cfg.capacities or (0,), jnp.int32)
-    last = len(branches) - 1
-
-    def block(x):
+        branches = [sparse(c) for c in cfg.capacities]
+        if cfg.dense or not branches:
+            branches.append(dense)
+        caps = jnp.asarray(cfg.capacities or (0,), jnp.int32)
         total = jnp.sum(x["counts"])
         choice = jnp.sum(caps[: len(cfg.capacities)] < total).astype(jnp.int32)
         if cfg.dense or not cfg.capacities:
             choice = jnp.where(force_dense, len(cfg.capacities), choice)
-        choice = jnp.minimum(choice, last)
+        choice = jnp.minimum(choice, len(branches) - 1)
         out, num, edges, lost = jax.lax.switch(choice, branches, x)
         return out, num, edges, lost, choice
 
-    out, num, edges, lost, choice = jax.lax.map(block, xs)
+    return xs, block
+
+
+def _stream_forward(cfg, q, k, v, ys, z, rest):
+    n = q.shape[0]
+    xs, block = _setup(cfg, q, k, v, ys, z, rest)
+    out, num, edges, lost, choice = jax.lax.map(lambda x: block(x, x["q"], x["ys"], k, v, z), xs)
     out = out.reshape(-1, out.shape[-1])[:n]
     return out, jnp.sum(num), jnp.sum(edges), jnp.any(lost), jnp.max(choice)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _stream(cfg, q, k, v, ys, z, rest):
+    return _stream_forward(cfg, q, k, v, ys, z, rest)
+
+
+def _stream_fwd(cfg, q, k, v, ys, z, rest):
+    # Nothing edge-sized is kept: the backward pass draws every block again.
+    return _stream_forward(cfg, q, k, v, ys, z, rest), (q, k, v, ys, z, rest)
+
+
+def _stream_bwd(cfg, res, cts):
+    q, k, v, ys, z, rest = res
+    dout, dnum = cts[0], cts[1]
+    n, bq = q.shape[0], cfg.block_rows
+    n_pad = -(-n // bq) * bq
+    xs, block = _setup(cfg, q, k, v, ys, z, rest)
+    dout = _pad_rows(dout.astype(v.dtype), n_pad).reshape(n_pad // bq, bq, -1)
+    dnum = jnp.asarray(dnum, jnp.float32)
+
+    def step(carry, inp):
+        x, do_b = inp
+
+        def f(q_b, ys_b, k, v, z):
+            out, num, *_ = block(x, q_b, ys_b, k, v, z)
+            return out, num
+
+        _, vjp = jax.vjp(f, x["q"], x["ys"], k, v, z)
+        dq_b, dys_b, dk_b, dv_b, dz_b = vjp((do_b, dnum))
+        dk, dv, dz = carry
+        return (dk + dk_b, dv + dv_b, dz + dz_b), (dq_b, dys_b)
+
+    init = (jnp.zeros_like(k), jnp.zeros_like(v), jnp.zeros_like(z))
+    (dk, dv, dz), (dq, dys) = jax.lax.scan(step, init, (xs, dout))
+    dq = dq.reshape(n_pad, -1)[:n]
+    dys = dys.reshape(n_pad, -1)[:n]
+    return dq, dk, dv, dys, dz, None
+
+
+_stream.defvjp(_stream_fwd, _stream_bwd)
+
+
 def streamed_graphs(cfg: StreamConfig):
-    """:func:`streamed_graph_attention` as a ``jax.checkpoint`` keeping only the kernels'
-    outputs (a graph's search tables are rebuilt in the backward pass, not stacked over
-    the graphs)."""
-    return jax.checkpoint(partial(streamed_graph_attention, cfg), policy=BLOCK_POLICY)
+    """:func:`streamed_graph_attention` with ``cfg`` bound (a ``custom_vjp`` inside: its
+    backward pass draws every block again, so nothing edge-sized is stacked over the
+    blocks or the graphs)."""
+    return partial(streamed_graph_attention, cfg)
