@@ -864,6 +864,7 @@ def sample_edge_keys(
     forced_keys: jax.Array | None = None,
     thin_budget: float | None = THIN_BUDGET,
     prefix_steps: int = 1,
+    padded_key_cdf: jax.Array | None = None,
 ) -> jax.Array:
     """fastRG's draw as sorted edge keys: ``[capacity + F] int32``, ``row * m + col``.
 
@@ -888,6 +889,10 @@ def sample_edge_keys(
     drawn under JAX's default partitionable Threefry; under the legacy
     ``jax_threefry_partitionable=False`` the law is the same, the numbers differ). For
     calls that are not under ``vmap``: there the switch would run every branch.
+
+    ``padded_key_cdf``: :func:`padded_cdf` of ``plan.zcdf``, for a caller that samples
+    several blocks of query rows against the same keys (it pads the ``[K, m]`` table
+    once instead of once per block).
     """
     n, m = plan.y.shape[0], plan.z.shape[0]
     _check_size(n, m)
@@ -903,7 +908,9 @@ def sample_edge_keys(
 
     # (cdf, guide, cdf padded for its window) of the two searches, padded once.
     by_row = (plan.row_cdf, plan.row_guide, padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW))
-    in_cluster = (plan.zcdf, plan.zguide, padded_cdf(plan.zcdf, SEARCH_WINDOW))
+    if padded_key_cdf is None:
+        padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)
+    in_cluster = (plan.zcdf, plan.zguide, padded_key_cdf)
 
     def inverse_cdf(search, which, u):
         cdf, guide, padded = search

@@ -80,7 +80,6 @@ def same_graphs_dense_loss(
     ``forced``: ``(self_loops, window)`` of the forced edges; ``mask [B, L]`` the
     padding mask the layer saw. Returns ``(loss, masks)``; ``loss.heads_fn`` gives the
     per-head outputs and densities."""
-    from sbm_jax.edge_ops import dense_masked_attention
     from sbm_jax.fastrg import sample_from_plan
     from sbm_jax.kernels.dense import streamed_mask
 
@@ -105,7 +104,65 @@ def same_graphs_dense_loss(
     masks = np.asarray(
         jax.jit(jax.vmap(jax.vmap(graph, in_axes=(0, 0, 0, None))))(keys, plans, counts, mask)
     )
+    return dense_loss_on_masks(masks, g, wd, mask=mask, ste=ste), masks
 
+
+def streamed_masks(rng, qm, blk, km, mask, *, law, delta, cfg):
+    """The ``[B, H, L, L]`` graphs ``impl="streamed"`` (:mod:`sbm_jax.kernels.streamed`,
+    settings ``cfg``) draws from ``rng``, rebuilt block by block, and each block's
+    choice ``[B, H, blocks]`` (a buffer index; ``len(cfg.capacities)``: dense)."""
+    from sbm_jax.fastrg import needs_dense
+    from sbm_jax.kernels.dense import default_block_rows, streamed_mask
+    from sbm_jax.kernels.streamed import _DENSE_SALT, _blocked_inputs, block_edge_keys
+
+    batch, heads, length = qm.shape[:3]
+    bq = cfg.block_rows
+    plans, counts = plans_and_counts(rng, qm, blk, km, mask, law=law, delta=delta)
+    keys = jax.random.split(jax.random.split(rng)[1], (batch, heads))
+    sparse = jax.jit(block_edge_keys, static_argnums=(0, 4))
+    dense = jax.jit(
+        streamed_mask, static_argnames=("law", "forced_half", "block_rows", "row_offset")
+    )
+    caps = cfg.capacities
+    masks = np.zeros((batch, heads, length, length), bool)
+    choices = []
+    for b in range(batch):
+        for h in range(heads):
+            plan = jax.tree.map(lambda a, b=b, h=h: a[b, h], plans)
+            key = keys[b, h]
+            xs = _blocked_inputs(cfg, plan, counts[b, h], jnp.zeros((length, 1)))
+            for blk_i in range(xs["b"].shape[0]):
+                x = {name: a[blk_i] for name, a in xs.items()}
+                total = int(np.sum(x["counts"]))
+                choice = sum(c < total for c in caps)
+                if bool(needs_dense(plan, law)) and cfg.dense:
+                    choice = len(caps)
+                choice = min(choice, len(caps) if cfg.dense else len(caps) - 1)
+                choices.append(choice)
+                lo, hi = blk_i * bq, min(length, (blk_i + 1) * bq)
+                if choice < len(caps):
+                    e = np.asarray(sparse(cfg, key, plan, x, caps[choice]))
+                    e = e[e < bq * length]
+                    masks[b, h, lo + e // length, e % length] = True
+                else:
+                    kc = plan.ys.shape[1]
+                    dkey = jax.random.fold_in(jax.random.fold_in(key, blk_i), _DENSE_SALT)
+                    block_mask = dense(
+                        dkey, x["ys"], plan.z[:, :kc], x["q_mask"], plan.k_mask, delta,
+                        law=law, forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
+                        block_rows=default_block_rows(bq, length), row_offset=lo,
+                    )  # fmt: skip
+                    masks[b, h, lo:hi] = np.asarray(block_mask)[: hi - lo]
+    return masks, np.asarray(choices).reshape(batch, heads, -1)
+
+
+def dense_loss_on_masks(masks, g, wd, *, mask, ste="paper"):
+    """The dense reference loss ``sum(out * g) + sum(wd * density)`` on given graphs
+    ``masks [B, H, L, L]`` (see :func:`same_graphs_dense_loss`); ``loss.heads_fn`` gives
+    the per-head outputs and densities."""
+    from sbm_jax.edge_ops import dense_masked_attention
+
+    batch, heads = masks.shape[:2]
     real_mask = np.asarray(mask)  # numpy: the loss below is traced under jit
 
     def heads_fn(q, k, v, qm, blk, km):  # -> out [B, H, L, d], density [B, H]
@@ -136,4 +193,4 @@ def same_graphs_dense_loss(
         return jnp.sum(out * g) + jnp.sum(wd * density)
 
     loss.heads_fn = heads_fn
-    return loss, masks
+    return loss

@@ -17,8 +17,13 @@ from sbm_jax.attention.sbm import (
     sbm_attention_core,
     sparse_heads_per_step,
 )
-from sbm_jax.fastrg import dense_probs, make_plan, prefix_sizes
-from tests.sbm_testing import plans_and_counts, same_graphs_dense_loss
+from sbm_jax.fastrg import THIN_BUDGET, dense_probs, make_plan, prefix_sizes
+from tests.sbm_testing import (
+    dense_loss_on_masks,
+    plans_and_counts,
+    same_graphs_dense_loss,
+    streamed_masks,
+)
 
 B, L, D = 2, 16, 8
 MASK = jnp.arange(L)[None, :] < jnp.array([[16], [11]])
@@ -388,6 +393,8 @@ def test_dense_probs_match_memberships():
         (dict(impl="dense", max_dense_elements=10), "max_dense_elements"),
         (dict(ste="straight"), "ste"),
         (dict(ste="pairs", pair_probes=0), "pair_probes"),
+        (dict(impl="streamed", stream_rows=-1), "stream_rows"),
+        (dict(impl="streamed", stream_rows=8, stream_slots=4), "stream_slots"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
@@ -924,3 +931,69 @@ def test_sbm_fields_of_the_wrong_type_or_range_are_named():
         with pytest.raises(ValueError, match=message):
             SBMAttention(**(base | {field: value})).validate()
     SBMAttention(**(base | {"num_clusters": np.int64(4), "window": np.int32(2)})).validate()
+
+
+@pytest.mark.parametrize(
+    "law, ste, forced, slots",
+    [
+        ("bernoulli", "paper", None, 12),
+        ("poisson", "reference", (False, 4), 5),
+        ("bernoulli", "paper", (True, 0), 12),
+    ],
+)
+def test_streamed_core_matches_dense_reference_on_its_graphs(law, ste, forced, slots):
+    # impl="streamed": blocks of 4 query rows, one small buffer per block, so some
+    # blocks draw sparse and the others (more draws than slots) run dense alone; the
+    # backward pass draws every block again. Output, density and every gradient against
+    # the dense reference on the graphs rebuilt block by block.
+    from sbm_jax.kernels.streamed import StreamConfig
+
+    q, k, v, qm, blk, km, g, wd = _core_case()
+    delta = 0.05
+    if ste == "reference":
+        qm = qm.at[:, :, jnp.array([2, 9])].set(0.0)
+        delta, g, wd = 0.0, 10.0 * g, 40.0 * wd
+    rng = jax.random.PRNGKey(3)
+    self_loops, window = forced if forced is not None else (False, 0)
+    half = window // 2 if window > 0 else (0 if self_loops else -1)
+    opts = dict(stream_rows=4, stream_slots=slots, edge_cost=1e-3)
+
+    def core_loss(q, k, v, qm, blk, km):
+        out, st = sbm_attention_core(
+            rng, q, k, v, qm, blk, km, MASK, delta=delta, law=law, impl="streamed",
+            self_loops=self_loops, window=window, ste=ste, **opts,
+        )  # fmt: skip
+        return jnp.sum(out * g) + jnp.sum(st["density"] * wd), (st, out)
+
+    args = (q, k, v, qm, blk, km)
+    (val, (st, out)), grads = jax.jit(
+        jax.value_and_grad(core_loss, argnums=tuple(range(6)), has_aux=True)
+    )(*args)
+    cfg = StreamConfig(
+        block_rows=4, capacities=(slots,), dense=True, law=law, ste=ste, forced_half=half,
+        dropout_rate=0.0, pair_probes=16, thin_budget=THIN_BUDGET,
+    )  # fmt: skip
+    masks, choices = streamed_masks(rng, qm, blk, km, MASK, law=law, delta=delta, cfg=cfg)
+    assert (choices == 0).any() and (choices == 1).any(), choices  # both kinds of block
+    assert int(st["path"]) == 3  # len(capacity_buckets), the defaults: some block ran dense
+    assert not np.asarray(st["overflow"]).any()
+    np.testing.assert_array_equal(st["edges"], masks.sum((2, 3)))  # the same graphs
+    empty = ~masks.any(-1)
+    assert np.all(np.asarray(out)[empty] == 0.0), "rows without an edge output exactly 0"
+    ref_loss = dense_loss_on_masks(masks, g, wd, mask=MASK, ste=ste)
+    ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(6))))(*args)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    for name, a, b in zip(
+        ("q", "k", "v", "q_memb", "block", "k_memb"), grads, ref_grads, strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_block_buffer_too_small_for_a_draw_per_row_is_refused_before_compilation():
+    # With the automatic block rows the check needs the length: the module's paths_for
+    # (what the trainer's config check runs for every batch) refuses it, naming the field.
+    mod = SBMAttention(num_heads=2, head_dim=4, impl="streamed", stream_slots=3)
+    mod.validate()  # no length yet: fine
+    with pytest.raises(ValueError, match="stream_slots=3 is too small"):
+        mod.paths_for(2, 64)
+    assert mod.clone(stream_slots=64).paths_for(2, 64)[1]

@@ -58,9 +58,15 @@ from sbm_jax.kernels import KERNELS
 from sbm_jax.kernels.cost import resolve_kernel, sparse_buckets_worth_it
 from sbm_jax.kernels.dense import streamed_sbm_attention
 from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, with_absent_pairs
+from sbm_jax.kernels.streamed import (
+    StreamConfig,
+    block_capacities,
+    default_stream_rows,
+    streamed_graphs,
+)
 from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
 
-IMPLS = ("auto", "sparse", "dense")
+IMPLS = ("auto", "sparse", "dense", "streamed")
 
 #: ``max_dense_elements``' default: no limit. The dense path is streamed over query
 #: blocks (O(n d) memory per graph, whatever ``batch*heads*n*m``), so only its O(n m)
@@ -370,6 +376,74 @@ def plan_paths(
     return caps, dense_allowed
 
 
+def plan_stream(
+    *,
+    batch: int,
+    heads: int,
+    length: int,
+    capacity_buckets: Sequence[float],
+    stream_rows: int = 0,
+    stream_slots: int = 0,
+    kernel: str = "rows",
+    edge_cost: float | None = None,
+    max_dense_elements: int = NO_DENSE_LIMIT,
+    max_edge_slots: int = 2**26,
+    forced_per_row: int = 0,
+    backend: str | None = None,
+) -> tuple[int, tuple[int, ...], bool]:
+    """Static plan of ``impl="streamed"``: ``(block rows, per-block buffers, dense blocks)``.
+
+    ``stream_rows`` query rows per block (0: :func:`default_stream_rows`, ``bq * m``
+    near 2^20); the buffers are ``capacity_buckets``' fractions of a block's ``bq * m``
+    pairs, or the one buffer ``stream_slots`` when it is set, less those over
+    ``max_edge_slots`` or (with the cost model, ``edge_cost`` overriding its calibration)
+    dearer than the dense path on the block's rows. A block whose draws exceed the
+    largest buffer runs dense, unless ``batch*heads*n*m > max_dense_elements`` rules the
+    dense path out (then those draws are lost and ``overflow`` says so).
+
+    Raises a ValueError naming the field, before anything is compiled, when
+    ``stream_slots`` cannot hold one draw per row of a block (every block would run
+    dense) or when no path is left.
+    """
+    n = m = length
+    bq = default_stream_rows(n, m) if stream_rows == 0 else int(stream_rows)
+    bq = min(bq, max(1, n))
+    if bq * m >= 2**31 - 1:
+        raise ValueError(
+            f"stream_rows={stream_rows}: a block's int32 edge keys need rows * length < "
+            f"2**31 - 1 (here {bq} * {m}); lower stream_rows"
+        )
+    if stream_slots:
+        if stream_slots < bq:
+            raise ValueError(
+                f"stream_slots={stream_slots} is too small for a block of {bq} query rows "
+                f"(stream_rows={stream_rows}, 0 = automatic): it must hold at least one draw "
+                "per row, or every block would run dense"
+            )
+        caps = (int(stream_slots),)
+    else:
+        caps = block_capacities(capacity_buckets, bq, m)
+    dense_allowed = batch * heads * n * m <= max_dense_elements
+    caps = tuple(c for c in caps if c + forced_per_row * bq <= max_edge_slots)
+    if dense_allowed:
+        worth = sparse_buckets_worth_it(
+            tuple(c + forced_per_row * bq for c in caps),
+            bq,
+            m,
+            kernel=kernel,
+            backend=backend,
+            slot_cost=edge_cost,
+        )
+        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)
+    if not caps and not dense_allowed:
+        raise ValueError(
+            f"impl='streamed': no block buffer fits max_edge_slots={max_edge_slots} and "
+            f"max_dense_elements={max_dense_elements} rules out the dense blocks "
+            f"(batch*heads*n*m = {batch * heads * n * m}); raise one of them"
+        )
+    return bq, caps, dense_allowed
+
+
 def sbm_attention_core(
     rng: jax.Array,
     q: jax.Array,
@@ -395,6 +469,8 @@ def sbm_attention_core(
     ste: str = "paper",
     max_edge_slots: int = 2**26,
     pair_probes: int = DEFAULT_PAIR_PROBES,
+    stream_rows: int = 0,
+    stream_slots: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sample one graph per (example, head) and attend over it. Pure function.
 
@@ -404,7 +480,10 @@ def sbm_attention_core(
     ``overflow [B, H]`` bool (that graph's draws exceeded the largest bucket, so edges
     were lost: only possible when ``max_dense_elements`` rules out the dense path),
     ``path []`` (bucket index into ``capacity_buckets``; ``len(capacity_buckets)`` = the
-    dense path). See :func:`plan_paths` for the static path choice.
+    dense path). See :func:`plan_paths` for the static path choice; ``impl="streamed"``
+    walks each graph in blocks of query rows instead (:func:`plan_stream`,
+    :mod:`sbm_jax.kernels.streamed`; ``stream_rows``, ``stream_slots``), and ``path`` is
+    then the largest per-block buffer index any block used.
 
     The body runs under one ``jax.jit`` (the options above are its static arguments):
     called eagerly, as ``model.init`` and ``model.apply`` are in a notebook, it then
@@ -439,6 +518,8 @@ def sbm_attention_core(
         ste=ste,
         max_edge_slots=int(max_edge_slots),
         pair_probes=int(pair_probes),
+        stream_rows=int(stream_rows),
+        stream_slots=int(stream_slots),
     )
 
 
@@ -456,6 +537,8 @@ _CORE_STATIC = (
     "ste",
     "max_edge_slots",
     "pair_probes",
+    "stream_rows",
+    "stream_slots",
 )
 
 
@@ -485,10 +568,22 @@ def _sbm_attention_core(
     ste: str,
     max_edge_slots: int,
     pair_probes: int,
+    stream_rows: int,
+    stream_slots: int,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     batch, heads, length, _ = q.shape
     all_caps = bucket_capacities(capacity_buckets, length, length)
     dense_index = len(all_caps)  # the recorded path of the dense branch
+    if impl == "streamed":
+        return _streamed_core(
+            rng, q, k, v, q_memberships, block, k_memberships, mask,
+            delta=delta, dropout_rng=dropout_rng, law=law,
+            capacity_buckets=capacity_buckets, self_loops=self_loops, window=window,
+            edge_cost=edge_cost, max_dense_elements=max_dense_elements,
+            dropout_rate=dropout_rate, kernel=kernel, ste=ste,
+            max_edge_slots=max_edge_slots, pair_probes=pair_probes,
+            stream_rows=stream_rows, stream_slots=stream_slots,
+        )  # fmt: skip
     caps, dense_allowed = plan_paths(
         batch=batch,
         heads=heads,
@@ -583,6 +678,72 @@ def _sbm_attention_core(
             path, [lambda ops, f=f: f(*ops) for f in branches], operands
         )
     path = jnp.where(path == len(caps), dense_index, path)
+    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
+    return out, stats
+
+
+def _streamed_core(
+    rng, q, k, v, q_memberships, block, k_memberships, mask, *, delta, dropout_rng, law,
+    capacity_buckets, self_loops, window, edge_cost, max_dense_elements, dropout_rate,
+    kernel, ste, max_edge_slots, pair_probes, stream_rows, stream_slots,
+):  # fmt: skip
+    """``impl="streamed"``: every graph walked in blocks of query rows, each block drawn
+    into a small buffer and drawn again in the backward pass (:mod:`sbm_jax.kernels.streamed`).
+    Same plans, row counts and keys as the bucketed path up to the per-block folding."""
+    batch, heads, length, _ = q.shape
+    bq, caps, dense_allowed = plan_stream(
+        batch=batch,
+        heads=heads,
+        length=length,
+        capacity_buckets=capacity_buckets,
+        stream_rows=stream_rows,
+        stream_slots=stream_slots,
+        kernel="rows" if kernel == "segment" else kernel,
+        edge_cost=edge_cost,
+        max_dense_elements=max_dense_elements,
+        max_edge_slots=max_edge_slots,
+        forced_per_row=_forced_per_row(self_loops, window, length),
+    )
+
+    def plan_one(qm, blk, km, qmask, kmask):
+        return make_plan(
+            qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law, tables=False
+        )
+
+    per_example = jnp.broadcast_to(block, (batch, *block.shape))
+    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)))(
+        q_memberships, per_example, k_memberships, mask, mask
+    )
+    k_count, k_sample = jax.random.split(rng)
+    sample_keys = jax.random.split(k_sample, (batch, heads))
+    rate = dropout_rate if dropout_rng is not None and dropout_rate > 0.0 else 0.0
+    drop_keys = jax.random.split(dropout_rng, (batch, heads)) if rate > 0.0 else sample_keys
+    with jax.named_scope(SAMPLE):
+        row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
+    force_dense = jax.vmap(jax.vmap(lambda p: needs_dense(p, law)))(plans)
+    half = _forced_half_width(self_loops, window, length)
+    cfg = StreamConfig(
+        block_rows=bq,
+        capacities=caps,
+        dense=dense_allowed,
+        law=law,
+        ste=ste,
+        forced_half=-1 if half is None else half,
+        dropout_rate=rate,
+        pair_probes=pair_probes,
+        thin_budget=THIN_BUDGET,
+    )
+    # One graph at a time on every backend: each block's lax.switch must really skip the
+    # branches it does not take (under vmap every branch would run).
+    run = map_over_heads(streamed_graphs(cfg), 1)
+    out, density_num, edges, overflow, path = run(
+        sample_keys, drop_keys, plans, row_counts, force_dense, q, k, v
+    )
+    density = density_num / jax.vmap(jax.vmap(lambda p: _real_pairs(p.q_mask, p.k_mask)))(plans)
+    # The recorded path: the largest buffer any block used, len(capacity_buckets) for dense.
+    dense_index = len(capacity_buckets)
+    path = jnp.max(path)
+    path = jnp.where(path >= len(caps), dense_index, path)
     stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
     return out, stats
 
@@ -693,7 +854,8 @@ class SBMAttention(nn.Module):
       capacity_buckets: sorted fractions of ``n*m`` in (0, 1]; the sparse branches.
       impl: ``"auto"`` (buckets the cost model keeps, dense above them and for short
         sequences), ``"sparse"`` (every bucket, dense only above them), ``"dense"``
-        (always the dense path, streamed over query blocks).
+        (always the dense path, streamed over query blocks), ``"streamed"`` (blocks of
+        query rows, see ``stream_rows``).
       window: if > 0, union a local window ``|i - j| <= window // 2`` with the graph.
       dense_below: with ``impl="auto"``, sequences with ``n*m`` at or below this always
         take the dense path (sparse bookkeeping costs more there).
@@ -731,6 +893,15 @@ class SBMAttention(nn.Module):
       pair_probes: probe keys per query row of ``ste="pairs"`` on the sparse path
         (unbiased; at least the sequence length: every key, exact, with ``n * m * k``
         backward temporaries, so for short sequences and tests only).
+      stream_rows: with ``impl="streamed"`` (each graph walked in blocks of query rows,
+        drawn into a small buffer per block and drawn again in the backward pass, so
+        memory follows neither a bucket's capacity nor the draws;
+        :mod:`sbm_jax.kernels.streamed`), the query rows per block; 0: automatic
+        (``rows * length`` near 2^20).
+      stream_slots: with ``impl="streamed"``, one buffer of this many slots per block
+        instead of ``capacity_buckets``' fractions of the block's pairs (0); it must hold
+        at least one draw per row of a block. A block whose draws exceed its largest
+        buffer runs dense, alone.
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
@@ -767,11 +938,30 @@ class SBMAttention(nn.Module):
     cluster_init: str = "paper"
     ste: str = "paper"
     pair_probes: int = DEFAULT_PAIR_PROBES
+    stream_rows: int = 0
+    stream_slots: int = 0
 
     def paths_for(self, batch: int, length: int) -> tuple[tuple[int, ...], bool]:
         """:func:`plan_paths` under this module's options for a ``[batch, length]`` input
         (the choice its call makes; a ValueError naming the fields when no path fits):
-        what a config check runs for each batch a training run will trace."""
+        what a config check runs for each batch a training run will trace. With
+        ``impl="streamed"``: :func:`plan_stream`'s per-block buffers and whether blocks
+        may run dense."""
+        if self.impl == "streamed":
+            _, caps, dense = plan_stream(
+                batch=batch,
+                heads=self.num_heads,
+                length=length,
+                capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
+                stream_rows=self.stream_rows,
+                stream_slots=self.stream_slots,
+                kernel="rows" if self.kernel == "segment" else self.kernel,
+                edge_cost=self.edge_cost,
+                max_dense_elements=self.max_dense_elements,
+                max_edge_slots=self.max_edge_slots,
+                forced_per_row=_forced_per_row(self.self_loops, self.window, length),
+            )
+            return caps, dense
         return plan_paths(
             batch=batch,
             heads=self.num_heads,
@@ -818,8 +1008,21 @@ class SBMAttention(nn.Module):
             raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
         resolve_kernel(self.kernel)  # a GPU-only kernel on another backend: one line
         check_ste(self.ste, "ste")
-        for field in ("window", "max_dense_elements", "max_edge_slots", "dense_below"):
+        for field in (
+            "window",
+            "max_dense_elements",
+            "max_edge_slots",
+            "dense_below",
+            "stream_rows",
+            "stream_slots",
+        ):
             check_int(field, getattr(self, field), minimum=0)
+        if 0 < self.stream_slots < self.stream_rows:
+            raise ValueError(
+                f"stream_slots={self.stream_slots} is too small for a block of "
+                f"stream_rows={self.stream_rows} query rows: it must hold at least one draw "
+                "per row, or every block would run dense"
+            )
 
     @nn.compact
     def __call__(
@@ -908,6 +1111,8 @@ class SBMAttention(nn.Module):
             kernel=self.kernel,
             ste=self.ste,
             pair_probes=self.pair_probes,
+            stream_rows=self.stream_rows,
+            stream_slots=self.stream_slots,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])

@@ -98,8 +98,10 @@ def block_mask(
     delta: jax.Array,
     qm_b: jax.Array,
     k_mask: jax.Array,
+    row_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """``[bq, m]`` bool: the mask of query block ``block`` (rows ``block * bq + [0, bq)``).
+
 
     ``ys_b [bq, k]`` are the block's rows of ``Y S`` (zero on padded queries), ``zk
     [m, k]`` the key memberships, ``qm_b [bq]``, ``k_mask [m]`` the real tokens. Pair
@@ -107,7 +109,8 @@ def block_mask(
     ``1 - exp(-(p + delta))`` (poisson) when both tokens are real, from uniforms drawn
     with ``fold_in(key, block)``; forced pairs ``|i - j| <= forced_half`` are added.
     The same arguments give the same mask, which is how the backward pass regenerates
-    it.
+    it. ``row_offset``: the position of row 0 (the forced pairs are placed by position),
+    for queries that are a slice of a longer sequence.
     """
     bq, m = ys_b.shape[0], zk.shape[0]
     p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
@@ -123,7 +126,7 @@ def block_mask(
         # graphs, a tile computed from the block index alone is loop-invariant, and JAX
         # would hoist it out of the loop stacked over all blocks (an n x m array).
         far = 2**29
-        rows = jnp.where(qm_b, block * bq + jnp.arange(bq), -far)
+        rows = jnp.where(qm_b, row_offset + block * bq + jnp.arange(bq), -far)
         cols = jnp.where(k_mask, jnp.arange(m), far)
         mask = mask | (jnp.abs(rows[:, None] - cols[None, :]) <= cfg.forced_half)
     return mask
@@ -151,9 +154,9 @@ def _contract_rows(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))
 
 
-def _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask):
+def _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask, offset):
     """Mask and float32 scores of one block: ``([bq, m] bool, [bq, m] f32)``."""
-    mask = block_mask(cfg, key, b, ys_b, zk, delta, qm_b, k_mask)
+    mask = block_mask(cfg, key, b, ys_b, zk, delta, qm_b, k_mask, offset)
     s = jnp.dot(q_b.astype(jnp.float32), k.astype(jnp.float32).T) / math.sqrt(q_b.shape[-1])
     return mask, s
 
@@ -173,7 +176,7 @@ def _pair_gain(mask, s, lse_b, dw, d_b, da):
     return jnp.where(mask, da, sigma * (dw - d_b[:, None]))
 
 
-def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
+def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
     n, bq = q.shape[0], cfg.block_rows
     n_pad = -(-n // bq) * bq
     xs = (
@@ -186,7 +189,7 @@ def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
 
     def block(x):
         b, q_b, ys_b, qm_b = x
-        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask)
+        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask, offset)
         mx = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1)
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         e = jnp.where(mask, jnp.exp(s - mx[:, None]), 0.0)
@@ -206,24 +209,24 @@ def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _streamed(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
-    out, _, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask)
+def _streamed(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
+    out, _, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset)
     return out.astype(v.dtype), count.astype(jnp.float32)
 
 
-def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask):
-    out, lse, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask)
+def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
+    out, lse, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset)
     # Tagged as the edge kernels tag theirs: under a jax.checkpoint that keeps these names
     # (the layer's branch policy) the backward pass does not run the forward again.
     out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
     out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
-    res = (q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse)
+    res = (q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset, out, lse)
     return (out.astype(v.dtype), count.astype(jnp.float32)), res
 
 
 @scoped(DENSE_PATH)
 def _streamed_bwd(cfg, res, cts):
-    q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, out, lse = res
+    q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset, out, lse = res
     dout, dcount = cts
     f32 = jnp.float32
     n, d = q.shape
@@ -247,7 +250,7 @@ def _streamed_bwd(cfg, res, cts):
     def block(carry, x):
         dk, dv, dzk = carry
         b, q_b, ys_b, qm_b, lse_b, do_b, d_b = x
-        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask)
+        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask, offset)
         w = jnp.where(mask, jnp.exp(s - lse_b[:, None]), 0.0)
         dw = jnp.dot(do_b, v32.T)  # [bq, m]
         if cfg.dropout_rate > 0.0:
@@ -298,6 +301,7 @@ def _streamed_bwd(cfg, res, cts):
         None,
         None,
         None,
+        None,
     )
 
 
@@ -322,6 +326,7 @@ def streamed_sbm_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     block_rows: int | None = None,
+    row_offset: jax.Array | int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample the SBM graph of one (example, head) pair by pair and attend over it.
 
@@ -340,6 +345,8 @@ def streamed_sbm_attention(
       dropout_rate, dropout_rng: dropout on the normalised weights (keep mask of block
         ``b`` from ``fold_in(dropout_rng, b)``).
       block_rows: ``bq`` (static); default :func:`default_block_rows`.
+      row_offset: position of query 0 in the sequence (traced is fine), when ``q`` is a
+        slice of the queries: the forced pairs are placed by position.
 
     Returns:
       ``out [n, dv]`` (rows without an edge are exactly 0) and the edge count ``[]``
@@ -362,9 +369,11 @@ def streamed_sbm_attention(
     )
     drop_key = key if dropout_rng is None else dropout_rng
     delta = jnp.asarray(delta, jnp.float32)
+    offset = jnp.asarray(row_offset, jnp.int32)
     return _streamed(
-        cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask.astype(bool), k_mask.astype(bool)
-    )
+        cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask.astype(bool), k_mask.astype(bool),
+        offset,
+    )  # fmt: skip
 
 
 def streamed_mask(
@@ -378,6 +387,7 @@ def streamed_mask(
     law: str = "bernoulli",
     forced_half: int | None = None,
     block_rows: int | None = None,
+    row_offset: int = 0,
 ) -> jax.Array:
     """The ``[n, m]`` mask :func:`streamed_sbm_attention` draws with the same arguments.
 
@@ -400,6 +410,9 @@ def streamed_mask(
         _blocks(q_mask.astype(bool), bq, n_pad),
     )
     masks = jax.lax.map(
-        lambda x: block_mask(cfg, key, x[0], x[1], zk, delta, x[2], k_mask.astype(bool)), xs
+        lambda x: block_mask(
+            cfg, key, x[0], x[1], zk, delta, x[2], k_mask.astype(bool), row_offset
+        ),
+        xs,
     )
     return masks.reshape(n_pad, m)[:n]
