@@ -291,3 +291,15 @@ def test_sbm_jax_import_graph_has_no_cycle():
         graph[src].discard(dst)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_nnx_face_loads_no_mechanism_until_one_is_used():
+    got = _fresh_python(
+        "import json\nfrom sbm_jax import nnx\n"
+        "heavy = ('sbm_jax.attention', 'sbm_jax.models')\n"
+        "loaded = [m for m in sys.modules if m.startswith(heavy)]\n"
+        "cls = nnx.SBMAttention\n"
+        "print(json.dumps({'loaded': loaded, 'after': 'sbm_jax.attention.sbm' in sys.modules,\n"
+        "    'name': cls.__name__}))"
+    )
+    assert got == {"loaded": [], "after": True, "name": "SBMAttention"}

@@ -117,6 +117,94 @@ def check_call(module: nn.Module, x: Array, mask: Array) -> None:
     check_inputs(x, mask)
 
 
+def _name(module: Any) -> str:
+    return type(module).__name__
+
+
+def _key_mask_from_pairs(module: Any, mask: Array, batch: int, length: int) -> Array:
+    """A ``[batch, heads, q, k]``-broadcastable ``mask`` -> the key-padding mask
+    ``[batch, k]`` it amounts to, or a ValueError when it is a pair mask (one that varies
+    along heads or queries: causal, banded, arbitrary) the mechanism cannot honour."""
+    name = _name(module)
+    full = (batch, module.num_heads, length, length)
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if mask.ndim > 4 or any(s not in (1, f) for s, f in zip(shape, full, strict=True)):
+        raise ValueError(
+            f"{name}: mask shape {tuple(mask.shape)} does not broadcast to "
+            f"[batch, heads, q, k] = {full}"
+        )
+    mask = jnp.reshape(mask, shape).astype(jnp.bool_)
+    if shape[1] > 1 or shape[2] > 1:
+        # Only a mask that is the same for every head and query is a key-padding mask;
+        # that can be seen only on concrete values (not on a traced mask inside jit).
+        if isinstance(mask, jax.core.Tracer) or not bool(jnp.all(mask == mask[:, :1, :1, :])):
+            raise ValueError(
+                f"{name} honours only a key-padding mask, and mask of shape "
+                f"{tuple(mask.shape)} varies along heads or queries (a causal or pair mask)"
+                " or is traced so that cannot be checked: pass a [batch, k] or "
+                "[batch, 1, 1, k] mask"
+            )
+    return jnp.broadcast_to(mask[:, 0, 0, :], (batch, length))
+
+
+def attention_call(
+    module: nn.Module,
+    inputs_q: Array,
+    inputs_k: Array | None = None,
+    inputs_v: Array | None = None,
+    mask: Array | None = None,
+) -> tuple[Array, Array]:
+    """The first line of every mechanism's ``__call__``: both call conventions -> the
+    checked ``(x [batch, length, dim], mask [batch, length] bool)`` the body uses.
+
+    * Today's ``(x, mask)``: a second positional argument of rank <= 2 is the
+      ``[batch, length]`` mask (True for real tokens), as it always was.
+    * ``flax`` ``MultiHeadAttention``'s ``(inputs_q, inputs_k=None, inputs_v=None, *,
+      mask=None)``: ``mask`` broadcastable to ``[batch, heads, q, k]`` (rank 2 is read as
+      today's ``[batch, length]``). A key-padding mask (``[batch, 1, 1, k]``, or any mask
+      constant along heads and queries) is honoured; a pair mask is refused. ``inputs_k``
+      / ``inputs_v`` must be ``inputs_q`` itself (or omitted): these mechanisms attend a
+      sequence to itself, so cross-attention is refused.
+
+    ``mask=None``: every position is real. Every refusal is a ValueError of one line,
+    raised before anything is traced; :func:`check_call` runs last.
+    """
+    name = _name(module)
+    check_fields(module)
+    if inputs_k is not None and getattr(inputs_k, "ndim", 3) <= 2:
+        if mask is not None:
+            raise ValueError(
+                f"{name}: got a [batch, length] mask as the second argument and mask= too"
+            )
+        inputs_k, mask = None, inputs_k
+        legacy = True
+    else:
+        legacy = mask is not None and getattr(mask, "ndim", 0) == 2
+    if inputs_v is not None and inputs_k is None:
+        raise ValueError(f"{name}: inputs_v was given without inputs_k")
+    if any(other is not None and other is not inputs_q for other in (inputs_k, inputs_v)):
+        shapes = [tuple(getattr(a, "shape", ())) for a in (inputs_q, inputs_k, inputs_v)]
+        raise ValueError(
+            f"{name} attends a sequence to itself: inputs_k and inputs_v must be inputs_q "
+            f"or omitted; cross-attention (shapes q, k, v = {shapes}) is not supported"
+        )
+    x = inputs_q
+    if x.ndim != 3:
+        raise ValueError(f"x must be [batch, length, dim], got shape {x.shape}")
+    batch, length = x.shape[:2]
+    if mask is None:
+        mask = jnp.ones((batch, length), jnp.bool_)
+    elif not legacy:
+        if mask.ndim < 2:
+            raise ValueError(
+                f"{name}: mask shape {tuple(mask.shape)} does not broadcast to "
+                f"[batch, heads, q, k] = {(batch, module.num_heads, length, length)}"
+            )
+        mask = _key_mask_from_pairs(module, mask, batch, length)
+    check_inputs(x, mask)
+    return x, mask
+
+
 def check_positive(name: str, value: int) -> None:
     """Raise a ValueError naming ``model.attention_options.<name>`` unless value >= 1."""
     if value < 1:

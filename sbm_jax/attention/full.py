@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
+from sbm_jax.attention._projections import attention_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
@@ -243,9 +243,17 @@ class FullAttention(nn.Module):
             )
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [batch, length, dim], mask [batch, length] bool -> [batch, length, out_dim]."""
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
         batch, length, _ = x.shape
         mask = mask.astype(jnp.bool_)

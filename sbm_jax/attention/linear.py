@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    check_call,
+    attention_call,
     check_real,
     compute_dtype,
     project_out,
@@ -101,10 +101,18 @@ class LinearAttention(nn.Module):
         check_real("model.attention_options.eps", self.eps)
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
         del deterministic  # no randomness: attention weights are never formed
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         ct = compute_dtype(self.dtype)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    check_call,
+    attention_call,
     check_int,
     compute_dtype,
     dropout_weights,
@@ -120,9 +120,17 @@ class LinformerAttention(nn.Module):
             )
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         length = x.shape[1]
         self.validate(length)
         # shared by all heads: no head axis (replicated on a heads mesh)

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
+from sbm_jax.attention._projections import attention_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.masked import masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -162,9 +162,17 @@ class LocalAttention(nn.Module):
         check_int("model.attention_options.window", self.window, minimum=0)
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
         q = head_dense(self.num_heads, self.head_dim, self.dtype, "query")(x)
         k = head_dense(self.num_heads, self.head_dim, self.dtype, "key")(x)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
     HEADS,
-    check_call,
+    attention_call,
     check_int,
     compute_dtype,
     dropout_weights,
@@ -234,9 +234,17 @@ class NystromformerAttention(nn.Module):
         check_int("model.attention_options.conv_kernel_size", self.conv_kernel_size, minimum=0)
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
         q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
         ct = compute_dtype(self.dtype)

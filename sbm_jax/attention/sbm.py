@@ -33,8 +33,8 @@ from sbm_jax._varying import vary_like
 from sbm_jax.attention._projections import (
     HEADS,
     KV,
+    attention_call,
     check_fields,
-    check_inputs,
     check_int,
     head_dense,
     named,
@@ -1026,12 +1026,16 @@ class SBMAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool = True,
     ) -> jax.Array:
         self.validate()
-        if mask is None and x.ndim == 3:
-            mask = jnp.ones(x.shape[:2], bool)
-        check_inputs(x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         batch, length, dim = x.shape
         mask = mask.astype(bool)
         heads, hd, k = self.num_heads, self.head_dim, self.num_clusters

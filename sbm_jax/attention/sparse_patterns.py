@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbm_jax.attention._projections import check_call, check_int, head_dense, out_dense
+from sbm_jax.attention._projections import attention_call, check_int, head_dense, out_dense
 from sbm_jax.attention.counting import edge_flops, projection_flops, projection_params
 from sbm_jax.attention.masked import key_padding_mask, mask_density, masked_attention
 from sbm_jax.attention.registry import STATS_COLLECTION, register
@@ -258,9 +258,17 @@ class _PatternAttention(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must define head_patterns")
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         n = x.shape[1]
         self.validate(n)
         options = self.blocked_options(n)  # validates the options before any tracing

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
     HEADS,
-    check_call,
+    attention_call,
     check_fields,
     check_int,
     head_dense,
@@ -213,10 +213,18 @@ class TensorizedSpectralAttention(nn.Module):
         )
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool,
+    ) -> Array:
         """x: [batch, length, dim]; mask: [batch, length] bool -> [batch, length, out_dim]."""
         self.validate()
-        check_call(self, x, mask)
+        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         mask = mask.astype(bool)
         x = x.astype(self.dtype)
 
