@@ -66,7 +66,7 @@ def uniform(key: jax.Array, shape: Sequence[int]) -> jax.Array:
     shape = tuple(int(s) for s in shape)
     size = int(np.prod(shape, dtype=np.int64))
     words = _threefry_key_words(key)
-    if words is None or not jax.config.jax_threefry_partitionable or size >= 2**32:
+    if words is None or not jax.config.jax_threefry_partitionable or size >= 2**32:  # type: ignore[attr-defined]
         return jax.random.uniform(key, shape)
     counts = jax.lax.iota(jnp.uint32, size)
     b0, b1 = threefry2x32(words[0], words[1], jnp.zeros_like(counts), counts)

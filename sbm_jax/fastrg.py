@@ -907,9 +907,9 @@ def sample_edge_keys(
     del k_col  # (the two uniforms of a draw now come from one key per chunk)
 
     # (cdf, guide, cdf padded for its window) of the two searches, padded once.
-    by_row = (plan.row_cdf, plan.row_guide, padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW))
+    by_row = (plan.row_cdf, plan.row_guide, padded_cdf(plan.row_cdf, ROW_SEARCH_WINDOW))  # type: ignore[arg-type]
     if padded_key_cdf is None:
-        padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)
+        padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)  # type: ignore[arg-type]
     in_cluster = (plan.zcdf, plan.zguide, padded_key_cdf)
 
     def inverse_cdf(search, which, u):

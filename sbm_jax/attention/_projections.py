@@ -81,7 +81,7 @@ def check_int(field: str, value: Any, minimum: int = 1) -> None:
 def check_real(field: str, value: Any, minimum: float = 0.0) -> None:
     """Raise a ValueError naming ``field`` unless ``value`` is a real number (int or
     float; not a bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= minimum:  # type: ignore[operator]
         raise ValueError(f"{field} must be a number >= {minimum}, got {value!r}")
 
 
@@ -95,7 +95,7 @@ def check_fields(module: nn.Module) -> None:
     if getattr(module, "out_dim", None) is not None:
         check_int("out_dim", module.out_dim)
     rate = getattr(module, "attention_dropout", 0.0)
-    if not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+    if not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:  # type: ignore[operator]
         raise ValueError(f"attention_dropout must lie in [0, 1), got {rate!r}")
 
 

@@ -164,7 +164,7 @@ def chunked_attention(
         index, q_block = args
         keep = None
         if use_dropout:
-            rng = jax.random.fold_in(dropout_rng, index)
+            rng = jax.random.fold_in(dropout_rng, index)  # type: ignore[arg-type]
             keep = jax.random.bernoulli(rng, keep_prob, (batch, heads, chunk, length))
         return _block_attention(q_block, k, v, mask4, keep, keep_prob)
 

@@ -422,9 +422,9 @@ def plan_stream(
             )
         caps = (int(stream_slots),)
     else:
-        caps = block_capacities(capacity_buckets, bq, m)
+        caps = block_capacities(capacity_buckets, bq, m)  # type: ignore[assignment]
     dense_allowed = batch * heads * n * m <= max_dense_elements
-    caps = tuple(c for c in caps if c + forced_per_row * bq <= max_edge_slots)
+    caps = tuple(c for c in caps if c + forced_per_row * bq <= max_edge_slots)  # type: ignore[assignment]
     if dense_allowed:
         worth = sparse_buckets_worth_it(
             tuple(c + forced_per_row * bq for c in caps),
@@ -434,7 +434,7 @@ def plan_stream(
             backend=backend,
             slot_cost=edge_cost,
         )
-        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)
+        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)  # type: ignore[assignment]
     if not caps and not dense_allowed:
         raise ValueError(
             f"impl='streamed': no block buffer fits max_edge_slots={max_edge_slots} and "
@@ -623,7 +623,7 @@ def _sbm_attention_core(
         rate = 0.0
     common = dict(law=law, self_loops=self_loops, window=window, rate=rate, ste=ste)
     per_step = sparse_heads_per_step()
-    dense_fn = map_over_heads(partial(_dense_head, **common), per_step)
+    dense_fn = map_over_heads(partial(_dense_head, **common), per_step)  # type: ignore[arg-type]
 
     if not caps:  # the dense path only
         # Draws per query row are not needed: the dense path draws pair by pair.

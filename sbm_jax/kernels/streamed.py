@@ -203,7 +203,7 @@ def _setup(cfg: StreamConfig, q, k, v, ys, z, rest):
     kc = ys.shape[1]
     plan = with_tables(plan.replace(ys=ys, z=z))
     # The [K, m] key CDF padded once per graph, not once per block.
-    padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)
+    padded_key_cdf = padded_cdf(plan.zcdf, SEARCH_WINDOW)  # type: ignore[arg-type]
     xs = _blocked_inputs(cfg, plan, row_counts, q)
     rate = cfg.dropout_rate
     pairs = cfg.ste == "pairs"

@@ -380,12 +380,14 @@ def triton_edge_attention(
     vb = _pow2_floor(min(vb, _pow2_ceil(n + -(-cap // r))))
     blocks: RowBlocks = row_blocks(edges, n, slots_per_row=r, block_rows=vb)
     has_scale = edge_scale is not None
-    scale = edge_scale.astype(jnp.float32) if has_scale else jnp.zeros((1,), jnp.float32)
+    scale = (
+        edge_scale.astype(jnp.float32) if edge_scale is not None else jnp.zeros((1,), jnp.float32)
+    )
     has_bias = edge_bias is not None
-    bias = edge_bias.astype(jnp.float32) if has_bias else jnp.zeros((1,), jnp.float32)
+    bias = edge_bias.astype(jnp.float32) if edge_bias is not None else jnp.zeros((1,), jnp.float32)
     has_dropout = dropout_rate > 0.0 and dropout_rng is not None
     if has_dropout:
-        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))
+        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))  # type: ignore[arg-type]
         z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
     else:
         z = jnp.zeros((1,), jnp.float32)

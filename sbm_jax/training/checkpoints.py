@@ -369,18 +369,18 @@ class RunCheckpoints:
                     ) from err
                 failed.append((step, err))
                 continue
-            for bad, err in failed:
+            for bad, bad_err in failed:
                 moved = self._set_aside(self._latest, "latest", bad)
                 if on_unreadable is not None:
-                    on_unreadable(bad, moved, err)
+                    on_unreadable(bad, moved, bad_err)
             return restored
         if failed:
-            step, err = failed[0]
+            first_step, first_err = failed[0]
             raise CheckpointError(
                 f"no readable checkpoint in {self._latest.directory} (steps "
-                f"{[s for s, _ in failed]}; step {step}: {short_error(err)}); remove them to start "
-                "over, or use another output_dir"
-            ) from err
+                f"{[s for s, _ in failed]}; step {first_step}: {short_error(first_err)}); remove "
+                "them to start over, or use another output_dir"
+            ) from first_err
         return None
 
     def _set_aside(self, manager: ocp.CheckpointManager, kind: str, step: int) -> str:

@@ -271,7 +271,7 @@ def describe_flag_error(error: BaseException, argv: Sequence[str], config: Any, 
         name = (
             getattr(error, "flagname", "") or str(error).split("'")[1 if "'" in str(error) else 0]
         )
-        close = difflib.get_close_matches(name, list(fv), n=1)
+        close = difflib.get_close_matches(name, list(fv), n=1)  # type: ignore[assignment]
         hint = f"; did you mean --{close[0]}?" if close else ""
         return f"unknown flag --{name}{hint} (see --help)"
     return _last_line(str(error))
@@ -368,7 +368,7 @@ def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None
     from sbm_jax.tasks import available_tasks
 
     task = config.get("task") if hasattr(config, "get") else None
-    name = task.get("name") if hasattr(task, "get") else None
+    name = task.get("name") if hasattr(task, "get") else None  # type: ignore[union-attr]
     if not skipped or name in available_tasks():
         return None
     reasons = ", ".join(f"{m} ({why})" for m, why in skipped.items())

@@ -445,7 +445,7 @@ def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
     length = _longest_attention_input(model)
     for what, rows in _sbm_batches(config, device_count):
         try:
-            module.paths_for(rows, length)
+            module.paths_for(rows, length)  # type: ignore[arg-type]
         except ValueError as e:
             errors.append(f"model.attention_options for {what} of {rows} x {length}: {e}")
             return

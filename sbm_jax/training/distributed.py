@@ -121,11 +121,11 @@ def resolve_distributed_setup(
         return DistributedSetup(mode=cluster or "single")
 
     if nproc is not None:
-        nproc = _parse_int(nproc, nproc_src)
+        nproc = _parse_int(nproc, nproc_src)  # type: ignore[arg-type]
         if nproc < 1:
             raise DistributedConfigError(f"{nproc_src} must be >= 1, got {nproc}")
     if pid is not None:
-        pid = _parse_int(pid, pid_src)
+        pid = _parse_int(pid, pid_src)  # type: ignore[arg-type]
         if pid < 0:
             raise DistributedConfigError(f"{pid_src} must be >= 0, got {pid}")
 
@@ -157,10 +157,10 @@ def resolve_distributed_setup(
         raise DistributedConfigError(
             f"{coord_src} must be host:port (e.g. 10.0.0.2:8476), got {coord!r}"
         )
-    if pid >= nproc:
+    if pid >= nproc:  # type: ignore[operator]
         raise DistributedConfigError(
             f"{pid_src}={pid} is out of range for {nproc_src}={nproc} "
-            f"(process ids are 0..{nproc - 1})"
+            f"(process ids are 0..{nproc - 1})"  # type: ignore[operator]
         )
     return DistributedSetup(
         mode="explicit", coordinator_address=coord, num_processes=nproc, process_id=pid

@@ -93,7 +93,7 @@ def process_train_rows(batch_size: int, accum: int, mesh: Mesh) -> np.ndarray:
     indices = micro_batch_sharding(mesh).addressable_devices_indices_map((accum, micro))
     cols: set[int] = set()
     for index in indices.values():
-        cols.update(range(*index[1].indices(micro)))
+        cols.update(range(*index[1].indices(micro)))  # type: ignore[index]
     ordered = sorted(cols)
     if ordered != list(range(ordered[0], ordered[-1] + 1)):
         raise ValueError(f"this process's devices hold non-contiguous batch rows {ordered}")
@@ -132,7 +132,7 @@ def put_global(tree: Any, sharding: Any) -> Any:
         return jax.make_array_from_callback(value.shape, leaf_sharding, lambda idx: value[idx])
 
     if isinstance(sharding, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: one(x, sharding), tree)
+        return jax.tree.map(lambda x: one(x, sharding), tree)  # type: ignore[arg-type]
     return jax.tree.map(one, tree, sharding)
 
 

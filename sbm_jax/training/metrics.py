@@ -238,7 +238,7 @@ class MetricsWriter:
             self._csv.writerow([record.get(c, "") for c in CSV_COLUMNS])
         if self._tb is not None:
             scalars = [(f"{split}/{name}", value) for name, value in tensorboard_scalars(record)]
-            self._tb.write(step, scalars)
+            self._tb.write(step, scalars)  # type: ignore[arg-type]
 
     def flush(self) -> None:
         self._jsonl.flush()

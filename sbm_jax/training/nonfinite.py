@@ -79,7 +79,7 @@ def dump_nonfinite(
     batch_file = _batch_file(jax.process_index(), jax.process_count())
     np.savez(
         os.path.join(directory, batch_file),
-        **{k: np.asarray(v) for k, v in host_batch.items()},
+        **{k: np.asarray(v) for k, v in host_batch.items()},  # type: ignore[arg-type]
         __rows__=rows,
     )
     info = {

@@ -360,7 +360,7 @@ def truncate_records(output_dir: str, step: int) -> dict[str, int]:
             rows = list(csv.reader(f))
         if rows:
             header, body = rows[0], rows[1:]
-            keep_rows = [r for r in body if r and _csv_step(r) is not None and _csv_step(r) <= step]
+            keep_rows = [r for r in body if r and _csv_step(r) is not None and _csv_step(r) <= step]  # type: ignore[operator]
             dropped["csv"] = len(body) - len(keep_rows)
             with open(path + ".tmp", "w", newline="", encoding="utf-8") as f:
                 csv.writer(f).writerows([header, *keep_rows])

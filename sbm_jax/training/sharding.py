@@ -139,7 +139,7 @@ def param_spec(
     if len(names) != len(shape):
         raise ValueError(f"logical axis names {tuple(names)} do not match shape {tuple(shape)}")
     spec: list[Any] = []
-    for size, axis in zip(shape, nn.logical_to_mesh_axes(tuple(names), list(rules)), strict=True):
+    for size, axis in zip(shape, nn.logical_to_mesh_axes(tuple(names), list(rules)), strict=True):  # type: ignore[arg-type]
         axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
         devices = int(np.prod([int(mesh_shape.get(a, 1)) for a in axes]))
         if devices <= 1:

@@ -118,7 +118,7 @@ def make_train_step(
     """
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        rngs = step_rngs(state.rng, state.step)
+        rngs = step_rngs(state.rng, state.step)  # type: ignore[arg-type]
         total, metrics, stats, grads = loss_and_grads(state, task, batch, rngs, density_lambda)
         new_state = state.apply_gradients(grads=grads)
         out = dict(metrics)
@@ -188,7 +188,7 @@ def make_accumulating_train_step(
         def micro(grad_sum: Any, xs: tuple[Array, Batch]) -> tuple[Any, dict[str, Any]]:
             index, mb = xs
             base = state.rng if accum_steps == 1 else jax.random.fold_in(state.rng, index)
-            rngs = step_rngs(base, state.step)
+            rngs = step_rngs(base, state.step)  # type: ignore[arg-type]
             total, metrics, stats, grads = loss_and_grads(state, task, mb, rngs, density_lambda)
             weight = metrics["weight"]
             grad_sum = jax.tree.map(lambda acc, g: acc + g * weight, grad_sum, grads)

@@ -551,7 +551,7 @@ def _train_and_evaluate(
             rec = {"step": step, "split": "train", "time_s": wall_before + time.perf_counter() - t0}
             rec.update(to_python(m))
             rec.pop("weight", None)
-            overflow.add("train", step, rec.pop("overflow_per_layer", None))
+            overflow.add("train", step, rec.pop("overflow_per_layer", None))  # type: ignore[arg-type]
             finite = rec.pop("finite", True)
             if is_halted and not finite:
                 rec["nonfinite"] = True
@@ -569,7 +569,7 @@ def _train_and_evaluate(
         if is_halted:
             if bad is None:  # cannot happen: the flag is set by a step in this flush
                 raise RuntimeError("the halted flag is set but no pending step is non-finite")
-            host_batch = next(source(int(bad["step"]) - 1))
+            host_batch = next(source(int(bad["step"]) - 1))  # type: ignore[call-overload]
             raise dump_nonfinite(output_dir, bad, state, host_batch, rows, accum, batch_size)
 
     def evaluation_record(split: str, step: int, result: Mapping[str, Any]) -> dict[str, Any]:
