@@ -25,10 +25,13 @@ def _readme() -> str:
 
 
 def readme_api_snippet() -> str:
-    """The python block under README's "The API in a few lines"."""
-    match = re.search(r"## The API in a few lines\n\n```python\n(.*?)```", _readme(), re.S)
-    assert match, "README.md lost its API snippet"
-    return match.group(1)
+    """The python blocks under README's "The API in a few lines" (NNX, then Linen), as one
+    script."""
+    section = re.search(r"## The API in a few lines\n(.*?)(?:\n## |\Z)", _readme(), re.S)
+    assert section, "README.md lost its API section"
+    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+    assert blocks, "README.md lost its API snippet"
+    return "\n".join(blocks)
 
 
 CHECK = textwrap.dedent(
