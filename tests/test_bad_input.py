@@ -68,6 +68,18 @@ def test_a_step_count_beyond_int32_is_refused(tmp_path):
     assert_one_line(status, stdout, err, "config.train.num_steps=1000000000000 exceeds 2147483647")
 
 
+def test_a_batch_too_big_for_the_host_is_refused_before_any_batch_is_built(monkeypatch):
+    # The step estimate builds one host batch: a batch the host cannot hold (here a host
+    # of 1 MiB) is refused before it is built.
+    monkeypatch.setattr(cli, "step_estimate", lambda config: pytest.fail("batch was built"))
+    monkeypatch.setattr(cli, "host_memory", lambda: 2.0**20)
+    status, stdout, err = run_train(
+        f"--config={SYNTHETIC}:sbm,smoke", "--config.train.batch_size=100000", "--dry_run"
+    )
+    assert_one_line(status, stdout, err, "config.train.batch_size=100000 with config.task.seq_len=")
+    assert "ids and mask), more than this host's 0.000977 GiB; lower the batch" in err
+
+
 def test_adam_epsilon_must_be_positive(tmp_path):
     lra = os.path.join(ROOT, "configs", "lra", "listops.py")
     status, stdout, err = run_train(

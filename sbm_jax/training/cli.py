@@ -425,6 +425,14 @@ def step_estimate(config: Any) -> dict[str, float] | str:
         may_prepare_data.reset(token)
 
 
+def host_memory() -> float:
+    """This host's physical memory in bytes; 0 when unknown."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
@@ -439,6 +447,24 @@ def describe_estimate(estimate: Mapping[str, float]) -> str:
     return (
         f"{_gib(estimate['memory_bytes'])} per device{of}{work} (XLA's estimates; FLOPs "
         "inside loops counted once)"
+    )
+
+
+#: Bytes per token of a host batch, at least: int32 ids and a bool mask.
+HOST_BYTES_PER_TOKEN = 5
+
+
+def host_batch_error(config: Any, host_bytes: float) -> str | None:
+    """One line when a single host batch (ids and mask alone) cannot fit in the host's
+    memory: the step estimate builds one such batch, so it is checked first."""
+    field, length = _length(config)
+    need = int(config.train.batch_size) * length * HOST_BYTES_PER_TOKEN
+    if not host_bytes or need <= host_bytes:
+        return None
+    return (
+        f"config.train.batch_size={config.train.batch_size} with config.{field}={length}: one "
+        f"host batch needs at least {_gib(need)} (ids and mask), more than this host's "
+        f"{_gib(host_bytes)}; lower the batch"
     )
 
 
@@ -620,6 +646,9 @@ def main(
     large = attention_pairs(config) > LARGE_STEP_PAIRS
     estimate: dict[str, float] | str = "not asked"
     if fv.dry_run or large:
+        too_big = host_batch_error(config, host_memory())
+        if too_big is not None:
+            return fail(too_big)
         estimate = step_estimate(config)
         if not isinstance(estimate, str):
             too_big = size_error(config, estimate)
