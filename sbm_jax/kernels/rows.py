@@ -342,6 +342,28 @@ def _rows_bwd(cfg, res, cts):
 _rows_attention.defvjp(_rows_fwd, _rows_bwd)
 
 
+def slot_terms(
+    capacity: int,
+    edge_scale: jax.Array | None,
+    edge_bias: jax.Array | None,
+    dropout_rate: float,
+    dropout_rng: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-slot float32 scale, bias and dropout factor (keep / (1 - rate)) a
+    virtual-row kernel reads; each absent one is a ``[1]`` placeholder its config skips.
+    The keep mask is drawn over the ``capacity`` slots as the segment kernel draws it."""
+    placeholder = jnp.zeros((1,), jnp.float32)
+    # Only valid slots are ever read, so the scale needs no masking (and no copy).
+    scale = placeholder if edge_scale is None else edge_scale.astype(jnp.float32)
+    bias = placeholder if edge_bias is None else edge_bias.astype(jnp.float32)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (capacity,))
+        z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
+    else:
+        z = placeholder
+    return scale, bias, z
+
+
 @scoped(EDGE_KERNEL)
 def rows_edge_attention(
     q: jax.Array,
@@ -389,19 +411,12 @@ def rows_edge_attention(
         raise ValueError(f"block_slots must be >= 1, got {block_slots}")
     vb = max(1, min(block_slots // r, n + -(-cap // r)))
     blocks = row_blocks(edges, n, slots_per_row=r, block_rows=vb)
-    has_scale = edge_scale is not None
-    # Only valid slots are ever read, so the scale needs no masking (and no copy).
-    scale = (
-        edge_scale.astype(jnp.float32) if edge_scale is not None else jnp.zeros((1,), jnp.float32)
+    has_scale, has_bias, has_dropout = (
+        edge_scale is not None,
+        edge_bias is not None,
+        dropout_rate > 0.0 and dropout_rng is not None,
     )
-    has_bias = edge_bias is not None
-    bias = edge_bias.astype(jnp.float32) if edge_bias is not None else jnp.zeros((1,), jnp.float32)
-    has_dropout = dropout_rate > 0.0 and dropout_rng is not None
-    if has_dropout:
-        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))  # type: ignore[arg-type]
-        z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
-    else:
-        z = jnp.zeros((1,), jnp.float32)
+    scale, bias, z = slot_terms(cap, edge_scale, edge_bias, dropout_rate, dropout_rng)
     cfg = _Config(
         slots_per_row=r,
         block_rows=vb,

@@ -50,7 +50,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from sbm_jax._random import bernoulli
 from sbm_jax._scopes import EDGE_KERNEL, scoped
 from sbm_jax.graph import EdgeList
 from sbm_jax.kernels.rows import (
@@ -58,6 +57,7 @@ from sbm_jax.kernels.rows import (
     RowBlocks,
     default_slots_per_row,
     row_blocks,
+    slot_terms,
 )
 
 #: Elements of one ``[Vb, R, d]`` gathered tile per program: the tile lives in the
@@ -379,18 +379,12 @@ def triton_edge_attention(
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     vb = _pow2_floor(min(vb, _pow2_ceil(n + -(-cap // r))))
     blocks: RowBlocks = row_blocks(edges, n, slots_per_row=r, block_rows=vb)
-    has_scale = edge_scale is not None
-    scale = (
-        edge_scale.astype(jnp.float32) if edge_scale is not None else jnp.zeros((1,), jnp.float32)
+    has_scale, has_bias, has_dropout = (
+        edge_scale is not None,
+        edge_bias is not None,
+        dropout_rate > 0.0 and dropout_rng is not None,
     )
-    has_bias = edge_bias is not None
-    bias = edge_bias.astype(jnp.float32) if edge_bias is not None else jnp.zeros((1,), jnp.float32)
-    has_dropout = dropout_rate > 0.0 and dropout_rng is not None
-    if has_dropout:
-        keep = bernoulli(dropout_rng, 1.0 - dropout_rate, (cap,))  # type: ignore[arg-type]
-        z = jnp.where(keep, 1.0 / (1.0 - dropout_rate), 0.0).astype(jnp.float32)
-    else:
-        z = jnp.zeros((1,), jnp.float32)
+    scale, bias, z = slot_terms(cap, edge_scale, edge_bias, dropout_rate, dropout_rng)
     cfg = _Cfg(
         slots_per_row=r,
         block_rows=vb,
