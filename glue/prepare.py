@@ -40,6 +40,8 @@ def prepare(
       ValueError naming ``--tasks`` for an unknown task; DownloadFailed naming the
       dataset whose download failed.
     """
+    if not tasks and not corpus:
+        raise ValueError("--tasks is empty and there is no --corpus: nothing to prepare")
     for task in tasks:
         try:
             get_task_spec(task)
@@ -57,8 +59,15 @@ def prepare(
     out = {}
     import requests  # what TFDS downloads with
 
+    # Every builder first, so that a misspelt --corpus fails before any download.
+    builders = {}
     for name in names:
-        builder = builder_fn(name, data_dir=data_dir)
+        try:
+            builders[name] = builder_fn(name, data_dir=data_dir)
+        except ValueError as e:  # TFDS's DatasetNotFoundError is one
+            flag = "--corpus" if name == corpus else "--tasks"
+            raise ValueError(f"{flag}: no TFDS builder {name!r} ({_first_line(e)})") from None
+    for name, builder in builders.items():
         try:
             builder.download_and_prepare(file_format="array_record")
         except requests.exceptions.RequestException as e:
@@ -72,6 +81,10 @@ def prepare(
         out[name] = str(builder.data_dir)
         print(f"prepared {name} -> {builder.data_dir}", flush=True)
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

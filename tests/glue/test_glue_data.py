@@ -216,6 +216,29 @@ def test_prepare_builds_each_task_as_array_record(tmp_path):
         prepare.prepare(["cola"], str(tmp_path), builder_fn=Builder)
 
 
+def test_prepare_refuses_nothing_to_do_and_an_unknown_corpus_before_any_download(tmp_path, capsys):
+    from glue import prepare
+
+    assert prepare.main(["--tasks="]) == 2
+    assert capsys.readouterr().err == (
+        "error: --tasks is empty and there is no --corpus: nothing to prepare\n"
+    )
+    downloads = []
+
+    class Builder:
+        def __init__(self, name, data_dir=None):
+            if name == "nope/1.0":
+                raise ValueError("Dataset nope not found.\nAvailable: ...")
+            self.data_dir = str(tmp_path / name)
+
+        def download_and_prepare(self, file_format):
+            downloads.append(self.data_dir)
+
+    with pytest.raises(ValueError, match=r"^--corpus: no TFDS builder 'nope/1.0' \(Dataset"):
+        prepare.prepare(["sst2"], str(tmp_path), corpus="nope/1.0", builder_fn=Builder)
+    assert downloads == []  # the task's download did not start before the corpus failed
+
+
 def test_prepare_offline_is_one_error_line(tmp_path, capsys, monkeypatch):
     # No network here: the builder raises what requests raises offline (after TFDS's
     # retries), and the command must say which dataset failed, in one line, exit 2.
