@@ -121,7 +121,7 @@ def make_plan(
         # Per-row bound q_i >= max_j (p_ij + delta); oversampling row i by
         # c_i = -log(1 - q_i) / q_i keeps the rate matrix low rank (diag(c) Y S Z^T) and
         # costs extra draws only on the rows whose bound is high.
-        row_bound = (_row_max_bound(sg(ys), sg(zk)) + sg(delta)) * q_mask * jnp.any(k_mask)
+        row_bound = (row_max_bound(sg(ys), sg(zk)) + sg(delta)) * q_mask * jnp.any(k_mask)
         safe = jnp.clip(row_bound, 1e-6, 1.0 - 1e-7)
         oversample = jnp.where(row_bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
         bound = jnp.max(row_bound, initial=0.0)
@@ -190,7 +190,7 @@ def with_tables(plan: SamplingPlan) -> SamplingPlan:
 _CS_SLACK = 2.0**-16
 
 
-def _row_max_bound(ys: jax.Array, zk: jax.Array) -> jax.Array:
+def row_max_bound(ys: jax.Array, zk: jax.Array) -> jax.Array:
     """``[n]`` upper bound on ``max_j p_ij = max_j ys_i . zk_j`` in O((n + m) k).
 
     The smaller of two bounds, each exact for nonnegative memberships: the per-cluster

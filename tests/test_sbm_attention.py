@@ -34,8 +34,11 @@ def _x(seed=0):
 
 
 def _module(**kw):
-    # One sparse bucket keeps compile time down; the bucket test uses several.
-    base = dict(num_heads=2, head_dim=4, num_clusters=6, capacity_buckets=(0.5,))
+    # One sparse bucket keeps compile time down; the bucket test uses several. The
+    # bucketed path (kernel "rows", the default off the CPU) unless a test says otherwise;
+    # the CPU's default, the fused kernel, has its own tests in test_fused_kernel.py and
+    # joins the layer-level tests below through their `kernel` parameter.
+    base = dict(num_heads=2, head_dim=4, num_clusters=6, capacity_buckets=(0.5,), kernel="rows")
     base.update(kw)
     return SBMAttention(**base)
 
@@ -231,8 +234,9 @@ def _expected_density(qm, s, km, *, law, delta):
     return out
 
 
-def test_density_and_edges_are_consistent():
-    mod = _module(impl="sparse")
+@pytest.mark.parametrize("kernel", ["rows", "fused"])
+def test_density_and_edges_are_consistent(kernel):
+    mod = _module(impl="sparse", kernel=kernel)
     x = _x()
     params = _init(mod, x)
     _, state = _apply(mod, params, x, jax.random.PRNGKey(3))
@@ -243,8 +247,9 @@ def test_density_and_edges_are_consistent():
     )
 
 
-def test_padding_never_changes_real_outputs():
-    mod = _module(impl="sparse")
+@pytest.mark.parametrize("kernel", ["rows", "fused"])
+def test_padding_never_changes_real_outputs(kernel):
+    mod = _module(impl="sparse", kernel=kernel)
     x = _x()
     params = _init(mod, x)
     noise = jax.random.normal(jax.random.PRNGKey(9), x.shape) * 5
@@ -330,8 +335,9 @@ def test_eval_keeps_sampling_without_delta():
     assert not np.allclose(evals[0], evals[1]), "evaluation still samples"
 
 
-def test_gradients_reach_sbm_parameters_and_are_finite():
-    mod = _module(impl="sparse")
+@pytest.mark.parametrize("kernel", ["rows", "fused"])
+def test_gradients_reach_sbm_parameters_and_are_finite(kernel):
+    mod = _module(impl="sparse", kernel=kernel)
     x = _x()
     params = _init(mod, x)
 
@@ -360,8 +366,9 @@ def test_forced_edges_self_loops_and_window():
     np.testing.assert_array_equal(loops, np.diag(np.arange(6) < 5))
 
 
-def test_self_loops_always_present():
-    mod = _module(impl="sparse", self_loops=True, delta=0.0)
+@pytest.mark.parametrize("kernel", ["rows", "fused"])
+def test_self_loops_always_present(kernel):
+    mod = _module(impl="sparse", kernel=kernel, self_loops=True, delta=0.0)
     x = _x()
     params = _init(mod, x)
     _, st = _apply(mod, params, x, jax.random.PRNGKey(1))

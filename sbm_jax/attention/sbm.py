@@ -44,6 +44,7 @@ from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, pr
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
 from sbm_jax.fastrg import (
+    BERNOULLI_MAX_BOUND,
     PREFIX_STEPS,
     THIN_BUDGET,
     SamplingPlan,
@@ -52,12 +53,14 @@ from sbm_jax.fastrg import (
     edges_from_keys,
     make_plan,
     needs_dense,
+    row_max_bound,
     sample_edge_keys,
 )
 from sbm_jax.kernels import KERNELS
+from sbm_jax.kernels.cost import edge_cost as calibrated_edge_cost
 from sbm_jax.kernels.cost import resolve_kernel, sparse_buckets_worth_it
 from sbm_jax.kernels.dense import streamed_sbm_attention
-from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, with_absent_pairs
+from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, expected_pair_sum, with_absent_pairs
 from sbm_jax.kernels.streamed import (
     StreamConfig,
     block_capacities,
@@ -75,9 +78,11 @@ IMPLS = ("auto", "sparse", "dense", "streamed")
 #: the dense path from paper presets such as LRA Text, 128 x 2 x 3072^2 pairs, which
 #: then dropped most of their edges.)
 NO_DENSE_LIMIT = 2**62
-#: Edge kernels the sparse branches can use (``SBMAttention.kernel``); ``"auto"`` is
-#: resolved per backend by :func:`sbm_jax.kernels.cost.resolve_kernel`.
-EDGE_KERNELS = ("segment", *KERNELS, "auto")
+#: Edge kernels the sparse branches can use (``SBMAttention.kernel``); ``"fused"`` is the
+#: CPU kernel that samples and attends in one native call (:mod:`sbm_jax.kernels.fused`,
+#: no capacity buckets); ``"auto"`` is resolved per backend by
+#: :func:`sbm_jax.kernels.cost.resolve_kernel`.
+EDGE_KERNELS = ("segment", *KERNELS, "fused", "auto")
 
 
 def bucket_capacities(fractions: Sequence[float], n: int, m: int) -> tuple[int, ...]:
@@ -574,6 +579,15 @@ def _sbm_attention_core(
     batch, heads, length, _ = q.shape
     all_caps = bucket_capacities(capacity_buckets, length, length)
     dense_index = len(all_caps)  # the recorded path of the dense branch
+    if kernel == "fused" and impl in ("auto", "sparse"):
+        return _fused_core(
+            rng, q, k, v, q_memberships, block, k_memberships, mask,
+            delta=delta, dropout_rng=dropout_rng, law=law, impl=impl,
+            self_loops=self_loops, window=window, dense_below=dense_below,
+            edge_cost=edge_cost, max_dense_elements=max_dense_elements,
+            dropout_rate=dropout_rate, ste=ste, pair_probes=pair_probes,
+            dense_index=dense_index,
+        )  # fmt: skip
     if impl == "streamed":
         return _streamed_core(
             rng, q, k, v, q_memberships, block, k_memberships, mask,
@@ -584,6 +598,8 @@ def _sbm_attention_core(
             max_edge_slots=max_edge_slots, pair_probes=pair_probes,
             stream_rows=stream_rows, stream_slots=stream_slots,
         )  # fmt: skip
+    if kernel == "fused":  # impl="dense": the dense path alone, which has no edge kernel
+        kernel = "rows"
     caps, dense_allowed = plan_paths(
         batch=batch,
         heads=heads,
@@ -698,7 +714,7 @@ def _streamed_core(
         capacity_buckets=capacity_buckets,
         stream_rows=stream_rows,
         stream_slots=stream_slots,
-        kernel="rows" if kernel == "segment" else kernel,
+        kernel="rows" if kernel in ("segment", "fused") else kernel,
         edge_cost=edge_cost,
         max_dense_elements=max_dense_elements,
         max_edge_slots=max_edge_slots,
@@ -744,6 +760,138 @@ def _streamed_core(
     dense_index = len(capacity_buckets)
     path = jnp.max(path)
     path = jnp.where(path >= len(caps), dense_index, path)
+    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
+    return out, stats
+
+
+def fused_draws(
+    rng: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    mask: jax.Array,
+    delta: jax.Array,
+    law: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused path's sampling plan without search tables: ``(oversample, counts,
+    bound)``, ``[B, H, n]``, ``[B, H, n]`` int32 and ``[B, H]``.
+
+    ``ys [B, H, n, k]`` (``Y S``, padded queries zero), ``zk [B, H, m, k]`` (padded keys
+    zero), ``mask [B, L]``. Row ``i`` draws ``Poisson(c_i sum_j (p_ij + delta))`` times
+    (:func:`sbm_jax.fastrg.make_plan`'s ``row_rate``), with the bernoulli law's per-row
+    oversampling ``c_i`` from the row bound ``q_i`` (:func:`~sbm_jax.fastrg.row_max_bound`
+    plus ``delta``; 1 under the poisson law). Everything is under ``stop_gradient``."""
+    f32 = jnp.float32
+    sg = jax.lax.stop_gradient
+    ys, zk = sg(ys), sg(zk)
+    real = mask.astype(f32)[:, None, :]  # [B, 1, L]
+    m_real = jnp.sum(real, axis=-1, keepdims=True)  # [B, 1, 1]
+    hi = jax.lax.Precision.HIGHEST
+    zsum = jnp.sum(zk, axis=2)  # [B, H, k]
+    row_total = (jnp.einsum("bhik,bhk->bhi", ys, zsum, precision=hi) + delta * m_real) * real
+    if law == "bernoulli":
+        bound = jax.vmap(jax.vmap(row_max_bound))(ys, zk)
+        row_bound = (bound + delta) * real * (m_real > 0)
+        safe = jnp.clip(row_bound, 1e-6, 1.0 - 1e-7)
+        oversample = jnp.where(row_bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
+        graph_bound = jnp.max(row_bound, axis=-1)
+    else:
+        oversample = jnp.ones(row_total.shape, f32)
+        graph_bound = jnp.zeros(row_total.shape[:2], f32)
+    counts = jax.random.poisson(rng, oversample * row_total).astype(jnp.int32)
+    return oversample.astype(f32), counts, graph_bound
+
+
+def _fused_core(
+    rng, q, k, v, q_memberships, block, k_memberships, mask, *, delta, dropout_rng, law, impl,
+    self_loops, window, dense_below, edge_cost, max_dense_elements, dropout_rate, ste,
+    pair_probes, dense_index,
+):  # fmt: skip
+    """``kernel="fused"``: every graph sampled and attended in one native call per pass
+    (:mod:`sbm_jax.kernels.fused`), or, per batch, the dense path where the draws would
+    cost more than it (``impl="auto"``, the cost model of :mod:`sbm_jax.kernels.cost`) or
+    where the bernoulli bound is above :data:`~sbm_jax.fastrg.BERNOULLI_MAX_BOUND`. No
+    capacity: memory follows neither the draws nor a bucket, and no draw is ever lost."""
+    from sbm_jax.kernels.fused import FusedConfig, default_threads, fused_sbm_attention
+
+    batch, heads, length, _ = q.shape
+    n = m = length
+    f32 = jnp.float32
+    real = mask.astype(f32)[:, None, :, None]
+    yq = q_memberships.astype(f32) * real
+    zk = k_memberships.astype(f32) * real
+    ys = jnp.einsum("bhik,hkl->bhil", yq, block.astype(f32))
+    delta = jnp.asarray(delta, f32)
+    k_count, k_sample = jax.random.split(rng)
+    with jax.named_scope(SAMPLE):
+        oversample, counts, bound = fused_draws(k_count, ys, zk, mask, delta, law)
+    sample_keys = jax.random.split(k_sample, (batch, heads))
+    bits = jax.vmap(jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32)))
+    seeds = bits(sample_keys)
+    rate = dropout_rate if dropout_rng is not None and dropout_rate > 0.0 else 0.0
+    drop_keys = jax.random.split(dropout_rng, (batch, heads)) if rate > 0.0 else sample_keys
+    drop_seeds = bits(drop_keys) if rate > 0.0 else seeds
+    half = _forced_half_width(self_loops, window, length)
+    masks = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
+    deltas = jnp.broadcast_to(delta, (batch, heads))
+    real_pairs = jnp.maximum(jnp.sum(mask, -1) ** 2, 1).astype(f32)[:, None]  # [B, 1]
+
+    def fused_branch(ops):
+        q, k, v, ys, zk, oversample, counts = ops
+        cfg = FusedConfig(
+            law=law,
+            forced_half=-1 if half is None else half,
+            dropout_rate=rate,
+            ste=ste,
+            probes=pair_probes,
+            threads=default_threads(),
+        )
+        out, num, edges = fused_sbm_attention(
+            cfg, seeds, drop_seeds, q, k, v, ys, zk, oversample, counts, masks, masks, deltas
+        )
+        if ste == "pairs":  # the count's cotangent on every real pair (closed form)
+            pair_sum = jax.vmap(jax.vmap(expected_pair_sum))(ys, zk, masks, masks)
+            num = num + pair_sum - jax.lax.stop_gradient(pair_sum)
+        return out, num / real_pairs, edges
+
+    def dense_branch(ops):
+        q, k, v, ys, zk, _, _ = ops
+
+        def head(key, drop_key, q, k, v, ys, zk, qm, dl):
+            out, num = streamed_sbm_attention(
+                key, q, k, v, ys, zk, qm, qm, dl, law=law, ste=ste, forced_half=half,
+                dropout_rate=rate, dropout_rng=drop_key if rate > 0.0 else None,
+            )  # fmt: skip
+            return out, num
+
+        run = map_over_heads(head, sparse_heads_per_step())
+        out, num = run(sample_keys, drop_keys, q, k, v, ys, zk, masks, deltas)
+        return out, num / real_pairs, jax.lax.stop_gradient(num).astype(jnp.int32)
+
+    pairs = batch * heads * n * m
+    dense_allowed = pairs <= max_dense_elements
+    ops = (q, k, v, ys, zk, oversample, counts)
+    if impl == "auto" and dense_allowed and n * m <= dense_below:
+        out, density, edges = dense_branch(ops)
+        path = jnp.asarray(dense_index, jnp.int32)
+    elif not dense_allowed:
+        out, density, edges = fused_branch(ops)
+        path = jnp.asarray(0, jnp.int32)
+    else:
+        use_dense = jnp.any(bound > BERNOULLI_MAX_BOUND) if law == "bernoulli" else False
+        if impl == "auto":
+            cost = calibrated_edge_cost("fused") if edge_cost is None else edge_cost
+            forced = _forced_per_row(self_loops, window, length) * n * batch * heads
+            draws = jnp.sum(counts).astype(f32) + forced
+            cheaper = False if cost is None else draws * cost >= pairs
+            use_dense = jnp.logical_or(use_dense, cheaper)
+        branches = [
+            jax.checkpoint(fused_branch, policy=SPARSE_BRANCH_POLICY),
+            jax.checkpoint(dense_branch, policy=SPARSE_BRANCH_POLICY),
+        ]
+        index = jnp.asarray(use_dense, jnp.int32)
+        out, density, edges = jax.lax.switch(index, branches, ops)
+        path = jnp.where(index == 1, dense_index, 0).astype(jnp.int32)
+    overflow = jnp.zeros((batch, heads), bool)
     stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
     return out, stats
 
@@ -934,7 +1082,7 @@ class SBMAttention(nn.Module):
     edge_cost: float | None = None
     max_dense_elements: int = NO_DENSE_LIMIT
     max_edge_slots: int = 2**26
-    kernel: str = "rows"
+    kernel: str = "auto"
     cluster_init: str = "paper"
     ste: str = "paper"
     pair_probes: int = DEFAULT_PAIR_PROBES
@@ -947,6 +1095,11 @@ class SBMAttention(nn.Module):
         what a config check runs for each batch a training run will trace. With
         ``impl="streamed"``: :func:`plan_stream`'s per-block buffers and whether blocks
         may run dense."""
+        kernel = resolve_kernel(self.kernel)
+        if kernel == "fused" and self.impl in ("auto", "sparse"):
+            # No capacity buckets: every batch runs the fused kernel or the dense path.
+            dense = batch * self.num_heads * length * length <= self.max_dense_elements
+            return (), dense
         if self.impl == "streamed":
             _, caps, dense = plan_stream(
                 batch=batch,
@@ -955,7 +1108,7 @@ class SBMAttention(nn.Module):
                 capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
                 stream_rows=self.stream_rows,
                 stream_slots=self.stream_slots,
-                kernel="rows" if self.kernel == "segment" else self.kernel,
+                kernel="rows" if kernel in ("segment", "fused") else kernel,
                 edge_cost=self.edge_cost,
                 max_dense_elements=self.max_dense_elements,
                 max_edge_slots=self.max_edge_slots,
@@ -968,7 +1121,7 @@ class SBMAttention(nn.Module):
             length=length,
             capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
             impl=self.impl,
-            kernel=self.kernel,
+            kernel=kernel,
             dense_below=self.dense_below,
             edge_cost=self.edge_cost,
             max_dense_elements=self.max_dense_elements,

@@ -45,15 +45,16 @@ import jax
 #: (GPU only) is not measured yet: ``scripts/accelerator_check.py`` measures it with the
 #: rest of the GPU table. ``tpu``: nothing measured (no TPU was available), so no entry.
 EDGE_COST: dict[str, dict[str, float]] = {
-    "cpu": {"rows": 7.6, "segment": 15.3},
+    "cpu": {"rows": 7.6, "segment": 15.3, "fused": 1.0},
     "gpu": {"rows": 51.0, "segment": 88.0},
     "tpu": {},
 }
 
 #: Kernels that run on one backend only (:data:`sbm_jax.kernels.KERNEL_BACKENDS`).
-_ONLY_ON = {"triton": "gpu"}
-#: Every kernel name the cost model knows (``"segment"`` and the fast kernels).
-KNOWN_KERNELS = ("rows", "segment", "triton")
+_ONLY_ON = {"triton": "gpu", "fused": "cpu"}
+#: Every kernel name the cost model knows (``"segment"``, the fast edge kernels and the
+#: fused CPU kernel, whose unit is one Poisson draw rather than one bucket slot).
+KNOWN_KERNELS = ("rows", "segment", "triton", "fused")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -79,14 +80,43 @@ def resolve_kernel(kernel: str, backend: str | None = None) -> str:
         measured = {
             name: cost
             for name, cost in EDGE_COST.get(backend, {}).items()
-            if _ONLY_ON.get(name, backend) == backend
+            if _ONLY_ON.get(name, backend) == backend and _usable(name)
         }
         return min(measured, key=measured.__getitem__) if measured else "rows"
     if kernel == "triton":
         from sbm_jax.kernels.triton import check_backend
 
         check_backend(backend)
+    if kernel == "fused":
+        if backend != "cpu":
+            raise ValueError(
+                f"kernel='fused' is the native CPU kernel (XLA:CPU through the XLA FFI) and "
+                f"cannot run on backend {backend!r}; use kernel='auto' (or 'rows')"
+            )
+        from sbm_jax.kernels.fused import fused_status
+
+        ok, why = fused_status()
+        if not ok:
+            raise ValueError(f"kernel='fused' is unavailable here: {why}; use kernel='rows'")
     return kernel
+
+
+def _usable(kernel: str) -> bool:
+    """Whether ``kernel`` can run in this process: the fused CPU kernel needs its native
+    library (built on first use), and ``auto`` falls back with one warning where the
+    build fails."""
+    if kernel != "fused":
+        return True
+    from sbm_jax.kernels.fused import fused_status
+
+    ok, why = fused_status()
+    if not ok and ("fused", "unavailable") not in _warned:
+        _warned.add(("fused", "unavailable"))
+        warnings.warn(
+            f"kernel='auto' takes 'rows' on this CPU: the fused kernel is unavailable ({why})",
+            stacklevel=3,
+        )
+    return ok
 
 
 def sparse_buckets_worth_it(
