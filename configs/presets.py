@@ -210,7 +210,9 @@ OPTIONS: dict[str, dict[str, Scaled]] = {
         # "auto": skip buckets whose slots x edge_cost >= length**2; unset (None): the cost
         # model's calibrated value for the backend and kernel (sbm_jax/kernels/cost.py).
         "edge_cost": Scaled(_unset_float, shown=False),
-        "kernel": Scaled("rows", shown=False),  # sparse path's edge kernel: "rows" or "segment"
+        # sparse path's kernel: "auto" (fused on CPU, rows elsewhere), "fused", "rows",
+        # "segment" or "triton" (sbm_jax/kernels/)
+        "kernel": Scaled("auto", shown=False),
         "cluster_init": Scaled("paper"),  # C init: "paper" (fan-in d_h) or "reference" (k*d_h)
         # mask estimator: "paper" (eq. 9), "reference" (released code) or "pairs" (ours:
         # unsampled pairs get a gradient too; docs/synthetic.md)

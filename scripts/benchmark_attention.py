@@ -483,6 +483,30 @@ def density_shift(mod, base, b: int, n: int, d: int, density: float, key) -> flo
 _SHIFTS: dict[tuple, float] = {}
 
 
+def fused_scratch(kernel: str, graphs: int, n: int, d: int, k: int) -> int | None:
+    """Bytes of native scratch the fused CPU kernel holds for one SBM layer of ``graphs``
+    (example, head) graphs of ``n`` tokens (outside XLA's buffers, so outside its memory
+    analysis: added to the layer's temp bytes here), or None when the layer does not run
+    it (another kernel or backend)."""
+    from sbm_jax.kernels.cost import resolve_kernel
+
+    if resolve_kernel(kernel) != "fused":
+        return None
+    from sbm_jax.kernels.fused import default_threads, scratch_bytes
+
+    return scratch_bytes(graphs, n, n, d, d, k, threads=default_threads(), backward=True)
+
+
+def with_native_scratch(rec: dict[str, Any]) -> dict[str, Any]:
+    """``rec`` with its native scratch counted in ``temp_bytes`` (XLA's own figure kept as
+    ``xla_temp_bytes``): a fused-kernel layer is compared on all the memory it holds."""
+    extra = rec.get("native_scratch_bytes")
+    if extra and "temp_bytes" in rec and "xla_temp_bytes" not in rec:
+        rec["xla_temp_bytes"] = rec["temp_bytes"]
+        rec["temp_bytes"] = rec["temp_bytes"] + extra
+    return rec
+
+
 def layer_workload(
     kind: str,
     b: int,
@@ -541,6 +565,10 @@ def layer_workload(
         stats = stats_fn(mod, mask, ks)(params, x)
         stats["sampled_density"] = stats.pop("density")
         info.update(stats)
+        if mod.impl in ("auto", "sparse"):
+            scratch = fused_scratch(mod.kernel, b * h, n, d, mod.num_clusters)
+            if scratch is not None:
+                info["native_scratch_bytes"] = scratch
 
     def loss(p, x, g, mask):
         out = mod.apply({"params": p}, x, mask, deterministic=False, rngs={"sample": ks})
@@ -583,6 +611,14 @@ def lra_step_workload(mechanism: str, n: int, batch: int):
         task, mesh, float(config.train.density_lambda), learning_rate_schedule(config.train)
     )
     info = {"batch": batch, "layers": int(config.model.num_layers)}
+    if mechanism == "sbm":
+        opts = config.model.attention_options
+        heads = int(config.model.num_heads)
+        kernel = str(opts.get("kernel", "auto"))
+        head_dim = int(config.model.head_dim)
+        scratch = fused_scratch(kernel, batch * heads, n, head_dim, int(opts.num_clusters))
+        if scratch is not None:  # one pool, shared by the layers (same sizes)
+            info["native_scratch_bytes"] = scratch
     return step, (state, data), info
 
 
@@ -603,12 +639,15 @@ def calibrate_edge_cost(
     fn_d, args_d, info_d = layer_workload("sbm", b, h, d, n, density, {"impl": "dense"})
     loads, infos = [(fn_d, args_d)], [info_d]
     for kernel in kernels:
-        sparse = {
-            "impl": "sparse",
-            "capacity_buckets": (frac,),
-            "max_dense_elements": 0,
-            "kernel": kernel,
-        }
+        if kernel == "fused":  # no buckets: the fused kernel on every batch
+            sparse = {"impl": "sparse", "max_dense_elements": 0, "kernel": "fused"}
+        else:
+            sparse = {
+                "impl": "sparse",
+                "capacity_buckets": (frac,),
+                "max_dense_elements": 0,
+                "kernel": kernel,
+            }
         fn_s, args_s, info_s = layer_workload("sbm", b, h, d, n, density, sparse, info_d["shift"])
         loads.append((fn_s, args_s))
         infos.append(info_s)
@@ -618,7 +657,10 @@ def calibrate_edge_cost(
     for kernel, info, m in zip(kernels, infos[1:], measured[1:], strict=True):
         out[kernel] = info
         if "median_round_ratio" in m:
-            out["edge_cost"][kernel] = m["median_round_ratio"] * n * n / cap
+            # The fused kernel's unit is a sampled edge (a draw, up to the collapse and the
+            # thinning; the layer weighs draws); a bucket's is one of its slots.
+            per = info["sampled_density"] * n * n if kernel == "fused" else cap
+            out["edge_cost"][kernel] = m["median_round_ratio"] * n * n / per
     out["times_s"] = [m.get("times_s") for m in measured]
     out["temp_bytes"] = [m.get("temp_bytes") for m in measured]
     return out
@@ -1084,6 +1126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured = measure_interleaved(loads, shuffle_seed=shuffle, **kw)
             for rec, info in zip(recs, measured, strict=True):
                 rec.update(info)
+                with_native_scratch(rec)
                 if recs[0]["kind"] != "full":
                     rec.pop("median_round_ratio", None)
                     rec.pop("round_ratios", None)
@@ -1104,6 +1147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fn, a, info = layer_workload("sbm", bl, h, d, n, args.long_density)
         rec.update(info, batch=bl)
         rec.update(measure(fn, a, repeats=1, warmup=1, max_bytes=float("inf")))
+        with_native_scratch(rec)
         rec["peak_rss_gib"] = _peak_rss_gib()
         log(rec)
 
@@ -1117,6 +1161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec.update(cinfo, note="compiled only")
             else:
                 rec.update(measure(fn, a, repeats=1, warmup=1, max_bytes=float("inf")))
+                with_native_scratch(rec)
                 rec["peak_rss_gib"] = _peak_rss_gib()
             log(rec)
 

@@ -882,7 +882,7 @@ def _fused_core(
             cost = calibrated_edge_cost("fused") if edge_cost is None else edge_cost
             forced = _forced_per_row(self_loops, window, length) * n * batch * heads
             draws = jnp.sum(counts).astype(f32) + forced
-            cheaper = False if cost is None else draws * cost >= pairs
+            cheaper = False if cost is None else draws * cost >= jnp.float32(pairs)
             use_dense = jnp.logical_or(use_dense, cheaper)
         branches = [
             jax.checkpoint(fused_branch, policy=SPARSE_BRANCH_POLICY),

@@ -260,44 +260,86 @@ struct Tables {
   int64_t mreal = 0, nc = 0;
 };
 
-// One thread's row buffers (and key-side accumulators for row-split backward passes).
-struct Rows {
-  uint64_t* bits;    // [ceil(m / 64)] the row's draws, collapsed
-  int32_t* cols;     // [m] the row's edges, sorted
-  float* s;          // [m] their scores
-  uint32_t* u;       // [4 * kDrawBlock] random words (draws, thinning, dropout, probes)
-  int32_t *dcl, *dat;  // [2 * kDrawBlock] each draw's cluster, guide entry / chunk
-  double* duk;       // [2 * kDrawBlock] each draw's key uniform
-  double* rcdf;      // [K + 1 + kPad] the row's cluster CDF, +inf padded
+// Rows per block: their collapse bitmaps stay near 256 KiB, and at most 256 rows.
+static int64_t block_rows_max(const Dims& D) {
+  return std::max<int64_t>(1, std::min<int64_t>({256, D.n, std::max<int64_t>(16, (int64_t{1} << 21) / D.m)}));
+}
+
+// Edge slots of a block: rows join a block while their bounds fit (one row always does).
+static int64_t block_edge_cap(const Dims& D) { return std::max<int64_t>(int64_t{1} << 16, 2 * D.m); }
+
+constexpr int64_t kDrawCap = 16384;  // draws resolved per cluster-sorted batch
+
+// One thread's buffers for a block of query rows.
+struct Block {
+  int64_t rows_max = 0, ecap = 0;
+  uint64_t* bits;    // [rows_max][nw] each row's draws, collapsed
+  double* rcdf;      // [K + 1 + kPad] a row's cluster CDF, +inf padded
   int32_t* rguide;   // [K] its guide table
-  float* vec;        // [max(d, dv, kc)] x 3: row accumulators
-  float* acc;        // [m * (d + dv + kc)] key-side gradient accumulators (or nullptr)
+  uint32_t* u;       // [4 * kDrawBlock] Philox words of a row's draws
+  int32_t* dcl;      // [kDrawCap] pending draws: cluster, local row, key word
+  uint16_t* drow;
+  uint32_t* dword;
+  uint16_t* srow;    // [kDrawCap] the pending draws sorted by cluster
+  uint32_t* sword;
+  int32_t* ccount;   // [K + 1]
+  int32_t* rptr;     // [rows_max + 1] each row's first edge (row-major, keys sorted)
+  int32_t* rcols;    // [ecap]
+  uint32_t* uu;      // [max(ecap, m)] thinning and dropout words
+  int32_t* need;     // [m] the candidates whose thinning needs p
+  int32_t* kend;     // [m] after the key sort: end of key j's edges (start: kend[j - 1])
+  uint16_t* krow;    // [ecap] the local row of each key-sorted edge
+  float* ks;         // [ecap] its score (forward)
+  float* kz;         // [ecap] its dropout factor
+  float *rmax, *rl, *rlse, *rD;  // [rows_max]
+  float* racc;       // [rows_max][max(d, dv)] the output sum (forward), dq (backward)
+  float* rdys;       // [rows_max][kc] dys (backward)
+  float* kacc;       // [d + dv + kc] one key's dk, dv, dz
+  float* acc;        // [m][d + dv + kc] key-side gradients of a row-split graph (or null)
 };
 
 struct Slot {
   Tables t;
-  Rows r;
+  Block b;
 };
 
 static void layout(const Dims& D, bool with_acc, Bump& b, Slot& s) {
-  const int64_t nc = (D.m + kChunk - 1) / kChunk, K = D.kc + 1;
+  const int64_t nc = (D.m + kChunk - 1) / kChunk, K = D.kc + 1, nw = (D.m + 63) / 64;
   s.t.zc = b.take<float>(D.kc * nc * kChunk);
   s.t.ccdf = b.take<double>(D.kc * (nc + 1 + kPad));
   s.t.cguide = b.take<int32_t>(D.kc * nc);
   s.t.zsum = b.take<double>(D.kc);
   s.t.real = b.take<int32_t>(D.m);
   s.t.nc = nc;
-  s.r.bits = b.take<uint64_t>((D.m + 63) / 64);
-  s.r.cols = b.take<int32_t>(D.m);
-  s.r.s = b.take<float>(D.m);
-  s.r.u = b.take<uint32_t>(4 * std::max(kDrawBlock, D.m));
-  s.r.dcl = b.take<int32_t>(2 * kDrawBlock);
-  s.r.dat = b.take<int32_t>(2 * kDrawBlock);
-  s.r.duk = b.take<double>(2 * kDrawBlock);
-  s.r.rcdf = b.take<double>(K + 1 + kPad);
-  s.r.rguide = b.take<int32_t>(K);
-  s.r.vec = b.take<float>(3 * std::max({D.d, D.dv, D.kc}));
-  s.r.acc = with_acc ? b.take<float>(D.m * (D.d + D.dv + D.kc)) : nullptr;
+  Block& k = s.b;
+  k.rows_max = block_rows_max(D);
+  k.ecap = block_edge_cap(D);
+  k.bits = b.take<uint64_t>(k.rows_max * nw);
+  k.rcdf = b.take<double>(K + 1 + kPad);
+  k.rguide = b.take<int32_t>(K);
+  k.u = b.take<uint32_t>(4 * kDrawBlock);
+  k.dcl = b.take<int32_t>(kDrawCap);
+  k.drow = b.take<uint16_t>(kDrawCap);
+  k.dword = b.take<uint32_t>(kDrawCap);
+  k.srow = b.take<uint16_t>(kDrawCap);
+  k.sword = b.take<uint32_t>(kDrawCap);
+  k.ccount = b.take<int32_t>(K + 1);
+  k.rptr = b.take<int32_t>(k.rows_max + 1);
+  k.rcols = b.take<int32_t>(k.ecap);
+  k.uu = b.take<uint32_t>(std::max(k.ecap, D.m));
+  k.need = b.take<int32_t>(D.m);
+  k.kend = b.take<int32_t>(D.m);
+  k.krow = b.take<uint16_t>(k.ecap);
+  k.ks = b.take<float>(k.ecap);
+  k.kz = b.take<float>(k.ecap);
+  k.rmax = b.take<float>(k.rows_max);
+  k.rl = b.take<float>(k.rows_max);
+  k.rlse = b.take<float>(k.rows_max);
+  k.rD = b.take<float>(k.rows_max);
+  k.racc = b.take<float>(k.rows_max * std::max(D.d, D.dv));
+  k.rdys = b.take<float>(k.rows_max * D.kc);
+  k.kacc = b.take<float>(D.d + D.dv + D.kc);
+  k.acc = with_acc ? b.take<float>(D.m * (D.d + D.dv + D.kc)) : nullptr;
 }
 
 static size_t slot_bytes(const Dims& D, bool with_acc) {
@@ -453,285 +495,395 @@ static inline int64_t pick_key_from(const Dims& D, const Tables& t, int64_t v, d
   return std::min(D.m - 1, c * kChunk);
 }
 
-// ---- one row's edges ---------------------------------------------------------------------
+// ---- a block of rows: edges ------------------------------------------------------------
 
-// Draws row i's edges into r.cols (sorted, collapsed, thinned, forced edges added) and
-// returns their number. r.bits must be all zero on entry; it is left all zero.
-static int64_t row_edges(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Rows& r,
-                         int64_t i) {
+static inline void set_bit(uint64_t* bits, int64_t j) { bits[j >> 6] |= uint64_t{1} << (j & 63); }
+
+// The bound on a row's edges that decides the blocks: its draws plus its forced pairs,
+// at most the keys.
+static inline int64_t edge_bound(const Dims& D, const Opts& O, const Graph& g, int64_t i) {
   if (!g.qm[i]) return 0;
+  const int64_t forced = O.forced_half >= 0 ? 2 * O.forced_half + 1 : 0;
+  return std::min<int64_t>(D.m, static_cast<int64_t>(g.counts[i]) + forced);
+}
+
+// The row blocks of a graph: [starts[b], starts[b + 1]). Rows join a block while the
+// block has at most rows_max rows and the sum of their edge bounds fits its edge slots.
+static std::vector<int64_t> block_starts(const Dims& D, const Opts& O, const Graph& g) {
+  const int64_t rows_max = block_rows_max(D), ecap = block_edge_cap(D);
+  std::vector<int64_t> starts{0};
+  int64_t rows = 0, edges = 0;
+  for (int64_t i = 0; i < D.n; ++i) {
+    const int64_t e = edge_bound(D, O, g, i);
+    if (rows > 0 && (rows == rows_max || edges + e > ecap)) {
+      starts.push_back(i);
+      rows = 0;
+      edges = 0;
+    }
+    ++rows;
+    edges += e;
+  }
+  starts.push_back(D.n);
+  return starts;
+}
+
+// The pending draws, sorted by cluster, each resolved to its key (the cluster's tables
+// stay in cache across its draws) and set in its row's bitmap.
+static void resolve_draws(const Dims& D, const Tables& t, Block& b, int64_t pending) {
+  const int64_t kc = D.kc, nc = t.nc, nw = (D.m + 63) / 64;
+  int32_t* cnt = b.ccount;
+  std::fill(cnt, cnt + kc + 1, 0);
+  for (int64_t h = 0; h < pending; ++h) ++cnt[b.dcl[h] + 1];
+  for (int64_t v = 0; v < kc; ++v) cnt[v + 1] += cnt[v];
+  for (int64_t h = 0; h < pending; ++h) {
+    const int64_t at = cnt[b.dcl[h]]++;
+    b.srow[at] = b.drow[h];
+    b.sword[at] = b.dword[h];
+  }
+  // Per cluster: each draw's guided chunk (the guide table is hot), then its key, with
+  // the chunk's CDF entry and cumulative weights prefetched kAhead draws before use.
+  int64_t h0 = 0;
+  for (int64_t v = 0; v < kc; ++v) {
+    const int64_t h1 = cnt[v];  // cnt[v] is now the end of cluster v's draws
+    if (h1 == h0) continue;
+    const int32_t* guide = t.cguide + v * nc;
+    const double* cdf = t.ccdf + v * (nc + 1 + kPad);
+    const float* zc = t.zc + v * nc * kChunk;
+    for (int64_t h = h0; h < h1; ++h) b.dcl[h] = guide[guide_index(b.sword[h] * kTwoM32, nc)];
+    for (int64_t h = h0; h < std::min(h1, h0 + kAhead); ++h) {
+      __builtin_prefetch(cdf + b.dcl[h]);
+      __builtin_prefetch(zc + b.dcl[h] * kChunk);
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      if (h + kAhead < h1) {
+        __builtin_prefetch(cdf + b.dcl[h + kAhead]);
+        __builtin_prefetch(zc + b.dcl[h + kAhead] * kChunk);
+      }
+      const int64_t j = pick_key_from(D, t, v, b.sword[h] * kTwoM32, b.dcl[h]);
+      set_bit(b.bits + static_cast<int64_t>(b.srow[h]) * nw, j);
+    }
+    h0 = h1;
+  }
+}
+
+// Draws the edges of rows [r0, r1) into the block's row-major CSR (rptr, rcols: each
+// row's keys sorted, collapsed, thinned, forced pairs added); returns their number. The
+// graph of a row depends only on (seed, row): not on the blocks or the threads.
+static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
+                            int64_t r0, int64_t r1) {
   const int64_t m = D.m, kc = D.kc, K = kc + 1, nw = (m + 63) / 64;
-  uint64_t* bits = r.bits;
-  const int64_t draws = g.counts[i];
-  const float* ysi = g.ys + i * kc;
-  int64_t flo = 1, fhi = 0;  // the forced keys [flo, fhi]
-  if (O.forced_half >= 0) {
-    flo = std::max<int64_t>(0, i - O.forced_half);
-    fhi = std::min<int64_t>(m - 1, i + O.forced_half);
-  }
-  if (draws > 0 && t.mreal > 0) {
-    double* rc = r.rcdf;
-    rc[0] = 0.0;
-    for (int64_t v = 0; v < kc; ++v) rc[v + 1] = rc[v] + static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
-    rc[K] = rc[kc] + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
-    for (int64_t x = 1; x <= kPad; ++x) rc[K + x] = INFINITY;
-    const double total = rc[K];
-    if (total > 0.0) {
-      int32_t* guide = r.rguide;
-      int64_t v = 0;
-      for (int64_t q = 0; q < K; ++q) {
-        const double thr = total * static_cast<double>(q) / static_cast<double>(K);
-        while (v < K - 1 && rc[v + 1] <= thr) ++v;
-        guide[q] = static_cast<int32_t>(v);
-      }
-      const double mreal = static_cast<double>(t.mreal);
-      const int64_t nc = t.nc;
-      uint32_t *u0 = r.u, *u1 = u0 + kDrawBlock, *u2 = u1 + kDrawBlock, *u3 = u2 + kDrawBlock;
-      int32_t* cl = r.dcl;
-      int32_t* at = r.dat;
-      double* uk = r.duk;
-      const int64_t blocks = (draws + 1) / 2;
-      for (int64_t b0 = 0; b0 < blocks; b0 += kDrawBlock) {
-        const int64_t nb = std::min(kDrawBlock, blocks - b0);
-        philox_blocks(g.key0, g.key1, static_cast<uint32_t>(i), b0, kStreamDraw, nb, u0, u1, u2, u3);
-        const int64_t nd = std::min(2 * nb, draws - 2 * b0);
-        // Stage 1: each draw's cluster (the row's CDF is in L1) and the guide entry of its
-        // key search, prefetched. The stages let the cache misses of many draws overlap.
-        for (int64_t h = 0; h < nd; ++h) {
-          const uint32_t wc = (h & 1) ? u2[h >> 1] : u0[h >> 1];
-          const uint32_t wk = (h & 1) ? u3[h >> 1] : u1[h >> 1];
-          const double uc = wc * kTwoM32;
-          const int64_t c = search_from(rc, guide[guide_index(uc, K)], uc * total);
-          cl[h] = static_cast<int32_t>(c);
-          uk[h] = wk * kTwoM32;
-          if (c < kc) {
-            const int64_t q = std::min(static_cast<int64_t>(uk[h] * static_cast<double>(nc)), nc - 1);
-            at[h] = static_cast<int32_t>(c * nc + q);
-            __builtin_prefetch(t.cguide + at[h]);
-          }
+  int64_t pending = 0;
+  for (int64_t i = r0; i < r1; ++i) {
+    if (!g.qm[i]) continue;
+    uint64_t* bits = b.bits + (i - r0) * nw;
+    const int64_t draws = g.counts[i];
+    if (draws > 0 && t.mreal > 0) {
+      const float* ysi = g.ys + i * kc;
+      double* rc = b.rcdf;
+      rc[0] = 0.0;
+      for (int64_t v = 0; v < kc; ++v) rc[v + 1] = rc[v] + static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
+      rc[K] = rc[kc] + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
+      for (int64_t x = 1; x <= kPad; ++x) rc[K + x] = INFINITY;
+      const double total = rc[K];
+      if (total > 0.0) {
+        int32_t* guide = b.rguide;
+        int64_t v = 0;
+        for (int64_t q = 0; q < K; ++q) {
+          const double thr = total * static_cast<double>(q) / static_cast<double>(K);
+          while (v < K - 1 && rc[v + 1] <= thr) ++v;
+          guide[q] = static_cast<int32_t>(v);
         }
-        // Stages 2 and 3, software-pipelined: draw h + kAhead reads its guided chunk and
-        // prefetches the chunk's CDF entries and cumulative weights while draw h, whose
-        // lines were prefetched kAhead draws ago, finds its key.
-        auto stage2 = [&](int64_t h) {
-          const int64_t c = cl[h];
-          if (c == kc) return;
-          const int64_t chunk = t.cguide[at[h]];
-          at[h] = static_cast<int32_t>(chunk);
-          __builtin_prefetch(t.ccdf + c * (nc + 1 + kPad) + chunk);
-          __builtin_prefetch(t.zc + (c * nc + chunk) * kChunk);
-        };
-        for (int64_t h = 0; h < std::min(kAhead, nd); ++h) stage2(h);
-        for (int64_t h = 0; h < nd; ++h) {
-          if (h + kAhead < nd) stage2(h + kAhead);
-          const int64_t c = cl[h];
-          int64_t j;
-          if (c == kc) {
-            j = t.real[std::min(static_cast<int64_t>(uk[h] * mreal), t.mreal - 1)];
-          } else {
-            j = pick_key_from(D, t, c, uk[h], at[h]);
+        const double mreal = static_cast<double>(t.mreal);
+        uint32_t *u0 = b.u, *u1 = u0 + kDrawBlock, *u2 = u1 + kDrawBlock, *u3 = u2 + kDrawBlock;
+        const int64_t blocks = (draws + 1) / 2;
+        for (int64_t b0 = 0; b0 < blocks; b0 += kDrawBlock) {
+          const int64_t nb = std::min(kDrawBlock, blocks - b0);
+          philox_blocks(g.key0, g.key1, static_cast<uint32_t>(i), b0, kStreamDraw, nb, u0, u1, u2, u3);
+          const int64_t nd = std::min(2 * nb, draws - 2 * b0);
+          for (int64_t h = 0; h < nd; ++h) {
+            const uint32_t wc = (h & 1) ? u2[h >> 1] : u0[h >> 1];
+            const uint32_t wk = (h & 1) ? u3[h >> 1] : u1[h >> 1];
+            const double uc = wc * kTwoM32;
+            const int64_t c = search_from(rc, guide[guide_index(uc, K)], uc * total);
+            if (c == kc) {  // the exploration cluster: uniform over the real keys
+              set_bit(bits, t.real[std::min(static_cast<int64_t>(wk * kTwoM32 * mreal), t.mreal - 1)]);
+              continue;
+            }
+            b.dcl[pending] = static_cast<int32_t>(c);
+            b.drow[pending] = static_cast<uint16_t>(i - r0);
+            b.dword[pending] = wk;
+            if (++pending == kDrawCap) {
+              resolve_draws(D, t, b, pending);
+              pending = 0;
+            }
           }
-          bits[j >> 6] |= uint64_t{1} << (j & 63);
         }
       }
     }
-  }
-  for (int64_t j = flo; j <= fhi; ++j)
-    if (g.km[j]) bits[j >> 6] |= uint64_t{1} << (j & 63);
-  // Collapse: the set bits in order.
-  int64_t cand = 0;
-  int32_t* cols = r.cols;
-  for (int64_t w = 0; w < nw; ++w) {
-    uint64_t word = bits[w];
-    if (!word) continue;
-    bits[w] = 0;
-    while (word) {
-      cols[cand++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(word));
-      word &= word - 1;
+    if (O.forced_half >= 0) {
+      const int64_t lo = std::max<int64_t>(0, i - O.forced_half), hi = std::min<int64_t>(m - 1, i + O.forced_half);
+      for (int64_t j = lo; j <= hi; ++j)
+        if (g.km[j]) set_bit(bits, j);
     }
   }
-  if (O.law != kLawBernoulli) return cand;
-  // Bernoulli thinning of the sampled (not forced) pairs: a pair whose uniform is below
-  // 1 / c_i is kept without p_ij; the others' membership rows are prefetched first.
-  const double ci = g.c[i];
-  uint32_t* uu = r.u;
-  int32_t* need = reinterpret_cast<int32_t*>(r.u + D.m);
-  philox_first(g.key0, g.key1, static_cast<uint32_t>(i), cols, kStreamThin, cand, uu);
-  int64_t needs = 0;
-  for (int64_t e = 0; e < cand; ++e) {
-    const int64_t j = cols[e];
-    if ((j < flo || j > fhi) && uu[e] * kTwoM32 * ci >= 1.0) {
-      need[needs++] = static_cast<int32_t>(e);
-      const float* row = g.z + j * kc;
-      for (int64_t x = 0; x < kc; x += 16) __builtin_prefetch(row + x);
-    }
-  }
-  for (int64_t h = 0; h < needs; ++h) {
-    const int64_t e = need[h];
-    const int64_t j = cols[e];
-    const double u = uu[e] * kTwoM32;
-    const double rate = static_cast<double>(dot(ysi, g.z + j * kc, kc)) + g.delta;
-    const double cr = ci * rate;
-    const double kp = cr > 1e-7 ? rate / -std::expm1(-cr) : 1.0 / ci;
-    if (u >= kp) cols[e] = -1;  // thinned out
-  }
+  if (pending > 0) resolve_draws(D, t, b, pending);
+  // Collapse each row's bitmap (clearing it) and thin its sampled pairs.
   int64_t count = 0;
-  for (int64_t e = 0; e < cand; ++e) {
-    cols[count] = cols[e];
-    count += cols[e] >= 0 ? 1 : 0;
+  b.rptr[0] = 0;
+  for (int64_t i = r0; i < r1; ++i) {
+    const int64_t lr = i - r0;
+    int32_t* cols = b.rcols + count;
+    int64_t cand = 0;
+    if (g.qm[i]) {
+      uint64_t* bits = b.bits + lr * nw;
+      for (int64_t w = 0; w < nw; ++w) {
+        uint64_t word = bits[w];
+        if (!word) continue;
+        bits[w] = 0;
+        while (word) {
+          cols[cand++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(word));
+          word &= word - 1;
+        }
+      }
+    }
+    if (cand > 0 && O.law == kLawBernoulli) {
+      // A sampled pair whose uniform is below 1 / c_i is kept without p_ij; the others'
+      // membership rows are prefetched, then each is kept with r / (1 - exp(-c_i r)).
+      int64_t flo = 1, fhi = 0;
+      if (O.forced_half >= 0) {
+        flo = i - O.forced_half;
+        fhi = i + O.forced_half;
+      }
+      const double ci = g.c[i];
+      const float* ysi = g.ys + i * kc;
+      uint32_t* uu = b.uu;
+      philox_first(g.key0, g.key1, static_cast<uint32_t>(i), cols, kStreamThin, cand, uu);
+      int64_t needs = 0;
+      for (int64_t e = 0; e < cand; ++e) {
+        const int64_t j = cols[e];
+        if ((j < flo || j > fhi) && uu[e] * kTwoM32 * ci >= 1.0) {
+          b.need[needs++] = static_cast<int32_t>(e);
+          prefetch_row(g.z + j * kc, kc);
+        }
+      }
+      for (int64_t h = 0; h < needs; ++h) {
+        const int64_t e = b.need[h], j = cols[e];
+        const double u = uu[e] * kTwoM32;
+        const double rate = static_cast<double>(dot(ysi, g.z + j * kc, kc)) + g.delta;
+        const double cr = ci * rate;
+        const double kp = cr > 1e-7 ? rate / -std::expm1(-cr) : 1.0 / ci;
+        if (u >= kp) cols[e] = -1;  // thinned out
+      }
+      int64_t kept = 0;
+      for (int64_t e = 0; e < cand; ++e) {
+        cols[kept] = cols[e];
+        kept += cols[e] >= 0 ? 1 : 0;
+      }
+      cand = kept;
+    }
+    count += cand;
+    b.rptr[lr + 1] = static_cast<int32_t>(count);
   }
   return count;
 }
 
-static inline float drop_factor(const Opts& O, const Graph& g, int64_t i, int64_t j) {
-  if (O.drop_rate <= 0.0f) return 1.0f;
-  uint32_t x[4];
-  philox(g.dkey0, g.dkey1, static_cast<uint32_t>(i), static_cast<uint32_t>(j), kStreamDrop, 0, x);
-  return unit_float(x[0]) < 1.0f - O.drop_rate ? 1.0f / (1.0f - O.drop_rate) : 0.0f;
+// The block's edges grouped by key (a counting sort): key j's edges are
+// [kend[j - 1], kend[j]) (from 0 for j = 0), in row order, each with its local row.
+static void sort_by_key(const Dims& D, Block& b, int64_t rows) {
+  int32_t* kend = b.kend;
+  std::fill(kend, kend + D.m, 0);
+  const int64_t total = b.rptr[rows];
+  for (int64_t e = 0; e < total; ++e) ++kend[b.rcols[e]];
+  int64_t run = 0;
+  for (int64_t j = 0; j < D.m; ++j) {  // kend[j]: start of key j for now
+    const int64_t c = kend[j];
+    kend[j] = static_cast<int32_t>(run);
+    run += c;
+  }
+  for (int64_t lr = 0; lr < rows; ++lr)
+    for (int64_t e = b.rptr[lr]; e < b.rptr[lr + 1]; ++e) b.krow[kend[b.rcols[e]]++] = static_cast<uint16_t>(lr);
 }
 
-// ---- forward and backward of one row ---------------------------------------------------
+// Dropout factors of key j's edges (keep / (1 - rate), keyed by (row, key)).
+static inline void drop_factors(const Opts& O, const Graph& g, int64_t r0, const uint16_t* krow, int64_t j,
+                                int64_t count, float* out) {
+  const float scale = 1.0f / (1.0f - O.drop_rate), keep = 1.0f - O.drop_rate;
+  for (int64_t e = 0; e < count; ++e) {
+    uint32_t x[4];
+    philox(g.dkey0, g.dkey1, static_cast<uint32_t>(r0 + krow[e]), static_cast<uint32_t>(j), kStreamDrop, 0, x);
+    out[e] = unit_float(x[0]) < keep ? scale : 0.0f;
+  }
+}
+
+// ---- a block of rows: forward and backward ------------------------------------------------
 
 struct FwdOut {
   float *out, *lse;
 };
 
-static int64_t forward_row(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Rows& r,
-                           int64_t i, FwdOut o) {
-  const int64_t d = D.d, dv = D.dv;
-  const int64_t count = row_edges(D, O, g, t, r, i);
-  float* out = o.out + i * dv;
-  if (count == 0) {
-    std::fill(out, out + dv, 0.0f);
-    o.lse[i] = 0.0f;
-    return 0;
-  }
+static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
+                             int64_t r0, int64_t r1, FwdOut o) {
+  const int64_t d = D.d, dv = D.dv, m = D.m, rows = r1 - r0;
+  const int64_t edges = sample_block(D, O, g, t, b, r0, r1);
+  sort_by_key(D, b, rows);
   const float inv = 1.0f / std::sqrt(static_cast<float>(d));
-  const float* qi = g.q + i * d;
-  float mx = -INFINITY;
-  for (int64_t e = 0; e < count; ++e) {
-    if (e + kEdgeAhead < count) {
-      prefetch_row(g.k + static_cast<int64_t>(r.cols[e + kEdgeAhead]) * d, d);
-      prefetch_row(g.v + static_cast<int64_t>(r.cols[e + kEdgeAhead]) * dv, dv);
+  const int64_t acc_w = std::max(d, dv);
+  std::fill(b.rmax, b.rmax + rows, -INFINITY);
+  std::fill(b.rl, b.rl + rows, 0.0f);
+  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
+  // Scores, key by key (each key's row read once per block), and each row's maximum.
+  int64_t start = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t end = b.kend[j];
+    if (end == start) continue;
+    const float* kj = g.k + j * d;
+    for (int64_t e = start; e < end; ++e) {
+      const int64_t lr = b.krow[e];
+      const float s = dot(g.q + (r0 + lr) * d, kj, d) * inv;
+      b.ks[e] = s;
+      b.rmax[lr] = std::max(b.rmax[lr], s);
     }
-    const float s = dot(qi, g.k + static_cast<int64_t>(r.cols[e]) * d, d) * inv;
-    r.s[e] = s;
-    mx = std::max(mx, s);
+    start = end;
   }
-  float* acc = r.vec;
-  std::fill(acc, acc + dv, 0.0f);
-  float l = 0.0f;
-  for (int64_t e = 0; e < count; ++e) {
-    const float w = std::exp(r.s[e] - mx);
-    l += w;
-    const int64_t j = r.cols[e];
-    const float wd = w * drop_factor(O, g, i, j);
-    if (wd != 0.0f) axpy(wd, g.v + j * dv, acc, dv);
+  // Weights and the weighted sums of the values, key by key.
+  start = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t end = b.kend[j];
+    if (end == start) continue;
+    const float* vj = g.v + j * dv;
+    if (O.drop_rate > 0.0f) drop_factors(O, g, r0, b.krow + start, j, end - start, b.kz + start);
+    for (int64_t e = start; e < end; ++e) {
+      const int64_t lr = b.krow[e];
+      const float w = std::exp(b.ks[e] - b.rmax[lr]);
+      b.rl[lr] += w;
+      const float wd = O.drop_rate > 0.0f ? w * b.kz[e] : w;
+      if (wd != 0.0f) axpy(wd, vj, b.racc + lr * acc_w, dv);
+    }
+    start = end;
   }
-  const float invl = 1.0f / l;
-  for (int64_t x = 0; x < dv; ++x) out[x] = acc[x] * invl;
-  o.lse[i] = mx + std::log(l);
-  return count;
+  for (int64_t lr = 0; lr < rows; ++lr) {
+    float* out = o.out + (r0 + lr) * dv;
+    if (b.rl[lr] > 0.0f) {
+      const float invl = 1.0f / b.rl[lr];
+      for (int64_t x = 0; x < dv; ++x) out[x] = b.racc[lr * acc_w + x] * invl;
+      o.lse[r0 + lr] = b.rmax[lr] + std::log(b.rl[lr]);
+    } else {
+      std::fill(out, out + dv, 0.0f);
+      o.lse[r0 + lr] = 0.0f;
+    }
+  }
+  return edges;
 }
 
 struct BwdIo {
   const float *out, *lse, *dout;
-  float dnum;                  // cotangent of the edge count (the density term), paper/reference
-  float *dq, *dys;             // row-side gradients of this graph
-  float *dk, *dv, *dz;         // key-side gradients (the graph's outputs or an accumulator)
+  float dnum;           // cotangent of the edge count (the density term), paper/reference
+  float *dq, *dys;      // row-side gradients of this graph
+  float *dk, *dv, *dz;  // key-side gradients (the graph's outputs or an accumulator)
 };
 
-static void backward_row(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Rows& r,
-                         int64_t i, const BwdIo& io) {
-  const int64_t d = D.d, dv = D.dv, kc = D.kc;
-  if (!g.qm[i]) return;
-  const int64_t count = row_edges(D, O, g, t, r, i);
+static void backward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
+                           int64_t r0, int64_t r1, const BwdIo& io) {
+  const int64_t d = D.d, dv = D.dv, kc = D.kc, m = D.m, rows = r1 - r0;
+  sample_block(D, O, g, t, b, r0, r1);
+  sort_by_key(D, b, rows);
   const float inv = 1.0f / std::sqrt(static_cast<float>(d));
-  const float* qi = g.q + i * d;
-  const float* doi = io.dout + i * dv;
-  const float* ysi = g.ys + i * kc;
-  const float lse = io.lse[i];
-  const float big_d = dot(doi, io.out + i * dv, dv);
-  float* dq = r.vec;                              // [d]
-  float* dys = r.vec + std::max({d, dv, kc});     // [kc]
-  std::fill(dq, dq + d, 0.0f);
-  std::fill(dys, dys + kc, 0.0f);
-  for (int64_t e = 0; e < count; ++e) {
-    const int64_t j = r.cols[e];
-    if (e + kEdgeAhead < count) {
-      const int64_t jn = r.cols[e + kEdgeAhead];
-      prefetch_row(g.k + jn * d, d);
-      prefetch_row(g.v + jn * dv, dv);
-      prefetch_row(g.z + jn * kc, kc);
-      prefetch_row(io.dk + jn * d, d);
-      prefetch_row(io.dv + jn * dv, dv);
-      prefetch_row(io.dz + jn * kc, kc);
-    }
+  const int64_t acc_w = std::max(d, dv);
+  for (int64_t lr = 0; lr < rows; ++lr) {
+    const int64_t i = r0 + lr;
+    b.rlse[lr] = io.lse[i];
+    b.rD[lr] = dot(io.dout + i * dv, io.out + i * dv, dv);
+  }
+  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
+  std::fill(b.rdys, b.rdys + rows * kc, 0.0f);
+  float *dk_j = b.kacc, *dv_j = b.kacc + d, *dz_j = b.kacc + d + dv;
+  int64_t start = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t end = b.kend[j];
+    if (end == start) continue;
     const float* kj = g.k + j * d;
     const float* vj = g.v + j * dv;
-    const float s = dot(qi, kj, d) * inv;
-    r.s[e] = s;
-    const float w = std::exp(s - lse);
-    float dp = dot(doi, vj, dv);
-    float wz = w;
-    if (O.drop_rate > 0.0f) {
-      const float zf = drop_factor(O, g, i, j);
-      dp *= zf;
-      wz = w * zf;
+    const float* zj = g.z + j * kc;
+    std::fill(b.kacc, b.kacc + d + dv + kc, 0.0f);
+    if (O.drop_rate > 0.0f) drop_factors(O, g, r0, b.krow + start, j, end - start, b.kz + start);
+    for (int64_t e = start; e < end; ++e) {
+      const int64_t lr = b.krow[e], i = r0 + lr;
+      const float* qi = g.q + i * d;
+      const float* doi = io.dout + i * dv;
+      const float s = dot(qi, kj, d) * inv;
+      const float w = std::exp(s - b.rlse[lr]);
+      float dp = dot(doi, vj, dv), wz = w;
+      if (O.drop_rate > 0.0f) {
+        dp *= b.kz[e];
+        wz = w * b.kz[e];
+      }
+      const float da = w * (dp - b.rD[lr]);
+      axpy(da, kj, b.racc + lr * acc_w, d);
+      axpy(da * inv, qi, dk_j, d);
+      if (wz != 0.0f) axpy(wz, doi, dv_j, dv);
+      float dm;
+      if (O.ste == kStePaper) {
+        dm = da * s + io.dnum;
+      } else if (O.ste == kSteReference) {
+        dm = std::min(1.0f, std::max(-1.0f, da + io.dnum));
+      } else {
+        dm = da;
+      }
+      if (dm != 0.0f) {
+        axpy(dm, zj, b.rdys + lr * kc, kc);
+        axpy(dm, g.ys + i * kc, dz_j, kc);
+      }
     }
-    const float da = w * (dp - big_d);
-    axpy(da, kj, dq, d);
-    axpy(da * inv, qi, io.dk + j * d, d);
-    if (wz != 0.0f) axpy(wz, doi, io.dv + j * dv, dv);
-    float dm;
-    if (O.ste == kStePaper) {
-      dm = da * s + io.dnum;
-    } else if (O.ste == kSteReference) {
-      dm = std::min(1.0f, std::max(-1.0f, da + io.dnum));
-    } else {
-      dm = da;
-    }
-    if (dm != 0.0f) {
-      axpy(dm, g.z + j * kc, dys, kc);
-      axpy(dm, ysi, io.dz + j * kc, kc);
-    }
+    axpy(1.0f, dk_j, io.dk + j * d, d);
+    axpy(1.0f, dv_j, io.dv + j * dv, dv);
+    axpy(1.0f, dz_j, io.dz + j * kc, kc);
+    start = end;
   }
   if (O.ste == kStePairs && t.mreal > 0) {
     // Absent pairs, from probes drawn uniformly from the real keys (every key once when
-    // the probes are at least the keys): the gain of adding the pair.
-    const bool all = O.probes >= D.m;
-    const int64_t num = all ? D.m : O.probes;
+    // the probes are at least the keys): the gain of adding the pair to its row.
+    const bool all = O.probes >= m;
+    const int64_t num = all ? m : O.probes;
     const float weight = all ? 1.0f : static_cast<float>(t.mreal) / static_cast<float>(O.probes);
-    uint32_t x[4] = {0, 0, 0, 0};
-    for (int64_t p = 0; p < num; ++p) {
-      int64_t j;
-      if (all) {
-        j = p;
-        if (!g.km[j]) continue;
-      } else {
-        if ((p & 3) == 0)
-          philox(g.key0, g.key1, static_cast<uint32_t>(i), static_cast<uint32_t>(p >> 2), kStreamProbe, 0, x);
-        const int64_t u = static_cast<int64_t>(x[p & 3] * kTwoM32 * static_cast<double>(t.mreal));
-        j = t.real[std::min(u, t.mreal - 1)];
-      }
-      if (std::binary_search(r.cols, r.cols + count, static_cast<int32_t>(j))) continue;
-      const float* vj = g.v + j * dv;
-      float sigma = 1.0f;
-      if (count > 0) {
-        const float s = dot(qi, g.k + j * d, d) * inv;
-        sigma = 1.0f / (1.0f + std::exp(-(s - lse)));
-      }
-      const float gain = sigma * (dot(doi, vj, dv) - big_d) * weight;
-      if (gain != 0.0f) {
-        axpy(gain, g.z + j * kc, dys, kc);
-        axpy(gain, ysi, io.dz + j * kc, kc);
+    for (int64_t lr = 0; lr < rows; ++lr) {
+      const int64_t i = r0 + lr;
+      if (!g.qm[i]) continue;
+      const int32_t *c0 = b.rcols + b.rptr[lr], *c1 = b.rcols + b.rptr[lr + 1];
+      const float* qi = g.q + i * d;
+      const float* doi = io.dout + i * dv;
+      const float* ysi = g.ys + i * kc;
+      uint32_t x[4] = {0, 0, 0, 0};
+      for (int64_t p = 0; p < num; ++p) {
+        int64_t j;
+        if (all) {
+          j = p;
+          if (!g.km[j]) continue;
+        } else {
+          if ((p & 3) == 0)
+            philox(g.key0, g.key1, static_cast<uint32_t>(i), static_cast<uint32_t>(p >> 2), kStreamProbe, 0, x);
+          const int64_t u = static_cast<int64_t>(x[p & 3] * kTwoM32 * static_cast<double>(t.mreal));
+          j = t.real[std::min(u, t.mreal - 1)];
+        }
+        if (std::binary_search(c0, c1, static_cast<int32_t>(j))) continue;
+        float sigma = 1.0f;
+        if (c1 > c0) {
+          const float s = dot(qi, g.k + j * d, d) * inv;
+          sigma = 1.0f / (1.0f + std::exp(-(s - b.rlse[lr])));
+        }
+        const float gain = sigma * (dot(doi, g.v + j * dv, dv) - b.rD[lr]) * weight;
+        if (gain != 0.0f) {
+          axpy(gain, g.z + j * kc, b.rdys + lr * kc, kc);
+          axpy(gain, ysi, io.dz + j * kc, kc);
+        }
       }
     }
   }
-  float* dqo = io.dq + i * d;
-  for (int64_t x = 0; x < d; ++x) dqo[x] = dq[x] * inv;
-  float* dyo = io.dys + i * kc;
-  for (int64_t x = 0; x < kc; ++x) dyo[x] = dys[x];
+  for (int64_t lr = 0; lr < rows; ++lr) {
+    const int64_t i = r0 + lr;
+    float* dqo = io.dq + i * d;
+    for (int64_t x = 0; x < d; ++x) dqo[x] = b.racc[lr * acc_w + x] * inv;
+    std::copy(b.rdys + lr * kc, b.rdys + (lr + 1) * kc, io.dys + i * kc);
+  }
 }
 
 // ---- batched drivers ---------------------------------------------------------------------
@@ -745,9 +897,9 @@ struct Inputs {
 
 static Graph graph_at(const Dims& D, const Inputs& in, int64_t gi) {
   Graph g;
-  g.q = in.q + gi * D.n * D.d;
-  g.k = in.k + gi * D.m * D.d;
-  g.v = in.v + gi * D.m * D.dv;
+  g.q = in.q ? in.q + gi * D.n * D.d : nullptr;
+  g.k = in.k ? in.k + gi * D.m * D.d : nullptr;
+  g.v = in.v ? in.v + gi * D.m * D.dv : nullptr;
   g.ys = in.ys + gi * D.n * D.kc;
   g.z = in.z + gi * D.m * D.kc;
   g.c = in.c + gi * D.n;
@@ -771,20 +923,17 @@ static void on_threads(int threads, F&& fn) {
   for (auto& th : pool_threads) th.join();
 }
 
-constexpr int64_t kRowsPerTask = 32;
-
 struct Scratch {
   std::vector<uint8_t*> blocks;
   std::vector<Slot> slots;
-  size_t bytes = 0;
   Scratch(const Dims& D, int threads, bool with_acc) {
-    bytes = slot_bytes(D, with_acc);
+    const size_t bytes = slot_bytes(D, with_acc);
     blocks = pool().acquire(threads, bytes);
     for (uint8_t* p : blocks) {
       Bump b{p};
       Slot s;
       layout(D, with_acc, b, s);
-      std::memset(s.r.bits, 0, sizeof(uint64_t) * ((D.m + 63) / 64));
+      std::memset(s.b.bits, 0, sizeof(uint64_t) * s.b.rows_max * ((D.m + 63) / 64));
       slots.push_back(s);
     }
   }
@@ -792,38 +941,56 @@ struct Scratch {
   ~Scratch() { pool().release(blocks); }
 };
 
+// Graphs run in rounds of one per thread (each thread its own tables); the graphs left
+// over (fewer than the threads) one at a time, their row blocks shared out to the threads,
+// which read one set of tables. whole(gi, slot) runs a graph; part(gi, thread, slot,
+// tables, r0, r1) a block of one; after(gi) follows a shared graph.
+template <class Whole, class Part, class After>
+static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& sc, Whole whole, Part part,
+                       After after) {
+  const int threads = O.threads;
+  int64_t g0 = 0;
+  if (threads > 1) {
+    for (; D.G - g0 >= threads; g0 += threads) on_threads(threads, [&](int t) { whole(g0 + t, sc.slots[t]); });
+  }
+  for (; g0 < D.G; ++g0) {
+    if (threads == 1) {
+      whole(g0, sc.slots[0]);
+      continue;
+    }
+    const Graph g = graph_at(D, in, g0);
+    build_tables(D, g, sc.slots[0].t);
+    const std::vector<int64_t> starts = block_starts(D, O, g);
+    const int64_t nblocks = static_cast<int64_t>(starts.size()) - 1;
+    std::atomic<int64_t> next{0};
+    on_threads(threads, [&](int t) {
+      for (int64_t blk; (blk = next.fetch_add(1)) < nblocks;)
+        part(g0, t, sc.slots[t], sc.slots[0].t, starts[blk], starts[blk + 1]);
+    });
+    after(g0);
+  }
+}
+
 static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* out, float* lse,
                         int32_t* edges, Scratch& sc) {
-  auto rows = [&](int64_t gi, const Tables& t, Rows& r, int64_t lo, int64_t hi) {
-    const Graph g = graph_at(D, in, gi);
-    FwdOut o{out + gi * D.n * D.dv, lse + gi * D.n};
-    int64_t total = 0;
-    for (int64_t i = lo; i < hi; ++i) total += forward_row(D, O, g, t, r, i, o);
-    return total;
-  };
   auto clip = [](int64_t x) { return static_cast<int32_t>(std::min<int64_t>(x, INT32_MAX)); };
-  int64_t g0 = 0;
-  const int threads = O.threads;
-  if (threads > 1) {  // rounds of one graph per thread
-    for (; D.G - g0 >= threads; g0 += threads)
-      on_threads(threads, [&](int t) {
-        Slot& s = sc.slots[t];
-        build_tables(D, graph_at(D, in, g0 + t), s.t);
-        edges[g0 + t] = clip(rows(g0 + t, s.t, s.r, 0, D.n));
-      });
-  }
-  for (; g0 < D.G; ++g0) {  // the graphs left over, rows split over the threads
-    build_tables(D, graph_at(D, in, g0), sc.slots[0].t);
-    std::atomic<int64_t> next{0}, total{0};
-    on_threads(threads, [&](int t) {
-      for (;;) {
-        const int64_t lo = next.fetch_add(kRowsPerTask);
-        if (lo >= D.n) break;
-        total.fetch_add(rows(g0, sc.slots[0].t, sc.slots[t].r, lo, std::min(D.n, lo + kRowsPerTask)));
-      }
-    });
-    edges[g0] = clip(total.load());
-  }
+  auto fout = [&](int64_t gi) { return FwdOut{out + gi * D.n * D.dv, lse + gi * D.n}; };
+  std::vector<std::atomic<int64_t>> totals(static_cast<size_t>(D.G));
+  for (auto& x : totals) x.store(0);
+  auto whole = [&](int64_t gi, Slot& s) {
+    const Graph g = graph_at(D, in, gi);
+    build_tables(D, g, s.t);
+    const std::vector<int64_t> starts = block_starts(D, O, g);
+    int64_t total = 0;
+    for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
+      total += forward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], fout(gi));
+    edges[gi] = clip(total);
+  };
+  auto part = [&](int64_t gi, int, Slot& s, const Tables& t, int64_t r0, int64_t r1) {
+    totals[gi].fetch_add(forward_block(D, O, graph_at(D, in, gi), t, s.b, r0, r1, fout(gi)));
+  };
+  auto after = [&](int64_t gi) { edges[gi] = clip(totals[gi].load()); };
+  for_graphs(D, O, in, sc, whole, part, after);
 }
 
 static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const float* out,
@@ -843,63 +1010,62 @@ static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const f
     io.dz = dz + gi * m * kc;
     return io;
   };
-  auto zero_graph = [&](int64_t gi) {
-    std::fill(dq + gi * n * d, dq + (gi + 1) * n * d, 0.0f);
-    std::fill(dys + gi * n * kc, dys + (gi + 1) * n * kc, 0.0f);
-    std::fill(dk + gi * m * d, dk + (gi + 1) * m * d, 0.0f);
-    std::fill(dv + gi * m * dvd, dv + (gi + 1) * m * dvd, 0.0f);
-    std::fill(dz + gi * m * kc, dz + (gi + 1) * m * kc, 0.0f);
-  };
+  auto zero_keys = [](float* a, int64_t len) { std::fill(a, a + len, 0.0f); };
   auto whole = [&](int64_t gi, Slot& s) {
-    zero_graph(gi);
+    const BwdIo io = io_for(gi);
+    zero_keys(io.dk, m * d);
+    zero_keys(io.dv, m * dvd);
+    zero_keys(io.dz, m * kc);
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const BwdIo io = io_for(gi);
-    for (int64_t i = 0; i < n; ++i) backward_row(D, O, g, s.t, s.r, i, io);
+    const std::vector<int64_t> starts = block_starts(D, O, g);
+    for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
+      backward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], io);
   };
-  int64_t g0 = 0;
-  const int threads = O.threads;
-  if (threads > 1) {
-    for (; D.G - g0 >= threads; g0 += threads)
-      on_threads(threads, [&](int t) { whole(g0 + t, sc.slots[t]); });
-  }
-  if (threads == 1) {
-    for (; g0 < D.G; ++g0) whole(g0, sc.slots[0]);
-  }
-  for (; g0 < D.G; ++g0) {
-    zero_graph(g0);
-    const Graph g = graph_at(D, in, g0);
-    build_tables(D, g, sc.slots[0].t);
-    const int64_t key_len = m * (d + dvd + kc);
-    for (int t = 1; t < threads; ++t) std::fill(sc.slots[t].r.acc, sc.slots[t].r.acc + key_len, 0.0f);
-    std::atomic<int64_t> next{0};
-    on_threads(threads, [&](int t) {
-      BwdIo io = io_for(g0);
-      if (t > 0) {  // private key-side accumulators, summed below
-        io.dk = sc.slots[t].r.acc;
-        io.dv = io.dk + m * d;
-        io.dz = io.dv + m * dvd;
-      }
-      for (;;) {
-        const int64_t lo = next.fetch_add(kRowsPerTask);
-        if (lo >= n) break;
-        for (int64_t i = lo; i < std::min(n, lo + kRowsPerTask); ++i)
-          backward_row(D, O, g, sc.slots[0].t, sc.slots[t].r, i, io);
-      }
-    });
-    const BwdIo io = io_for(g0);
-    for (int t = 1; t < threads; ++t) {
-      const float* a = sc.slots[t].r.acc;
+  // A shared graph: thread 0 adds into the outputs, the others into their accumulators.
+  auto part = [&](int64_t gi, int t, Slot& s, const Tables& tab, int64_t r0, int64_t r1) {
+    BwdIo io = io_for(gi);
+    if (t > 0) {
+      io.dk = s.b.acc;
+      io.dv = io.dk + m * d;
+      io.dz = io.dv + m * dvd;
+    }
+    backward_block(D, O, graph_at(D, in, gi), tab, s.b, r0, r1, io);
+  };
+  auto after = [&](int64_t gi) {
+    const BwdIo io = io_for(gi);
+    for (int t = 1; t < O.threads; ++t) {
+      const float* a = sc.slots[t].b.acc;
       for (int64_t x = 0; x < m * d; ++x) io.dk[x] += a[x];
       for (int64_t x = 0; x < m * dvd; ++x) io.dv[x] += a[m * d + x];
       for (int64_t x = 0; x < m * kc; ++x) io.dz[x] += a[m * (d + dvd) + x];
     }
+  };
+  // Key-side outputs and accumulators start at zero for the graphs that are shared.
+  const int64_t shared_from = O.threads > 1 ? (D.G / O.threads) * O.threads : D.G;
+  for (int64_t gi = shared_from; gi < D.G; ++gi) {
+    const BwdIo io = io_for(gi);
+    zero_keys(io.dk, m * d);
+    zero_keys(io.dv, m * dvd);
+    zero_keys(io.dz, m * kc);
+  }
+  if (shared_from < D.G) {
+    // Accumulators are zeroed before each shared graph (after() has read them).
+    auto after_and_clear = [&](int64_t gi) {
+      after(gi);
+      for (int t = 1; t < O.threads; ++t) zero_keys(sc.slots[t].b.acc, m * (d + dvd + kc));
+    };
+    for (int t = 1; t < O.threads; ++t) zero_keys(sc.slots[t].b.acc, m * (d + dvd + kc));
+    for_graphs(D, O, in, sc, whole, part, after_and_clear);
+  } else {
+    for_graphs(D, O, in, sc, whole, part, after);
   }
 }
 
 static bool needs_acc(const Dims& D, int threads) { return threads > 1 && D.G % threads != 0; }
 
 }  // namespace sbm_fused
+
 
 // ---- FFI handlers ------------------------------------------------------------------------
 
@@ -1038,13 +1204,17 @@ static ffi::Error FusedGraph(ffi::AnyBuffer ys, ffi::AnyBuffer z, ffi::AnyBuffer
   if (!sc.ok(1)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
   uint8_t* mk = mask->typed_data<uint8_t>();
   std::memset(mk, 0, static_cast<size_t>(D.G * D.n * D.m));
+  Slot& s = sc.slots[0];
   for (int64_t gi = 0; gi < D.G; ++gi) {
-    Graph g = graph_at(D, in, gi);
-    Slot& s = sc.slots[0];
+    const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    for (int64_t i = 0; i < D.n; ++i) {
-      const int64_t count = row_edges(D, O, g, s.t, s.r, i);
-      for (int64_t e = 0; e < count; ++e) mk[(gi * D.n + i) * D.m + s.r.cols[e]] = 1;
+    const std::vector<int64_t> starts = block_starts(D, O, g);
+    for (size_t blk = 0; blk + 1 < starts.size(); ++blk) {
+      const int64_t r0 = starts[blk], r1 = starts[blk + 1];
+      sample_block(D, O, g, s.t, s.b, r0, r1);
+      for (int64_t i = r0; i < r1; ++i)
+        for (int64_t e = s.b.rptr[i - r0]; e < s.b.rptr[i - r0 + 1]; ++e)
+          mk[(gi * D.n + i) * D.m + s.b.rcols[e]] = 1;
     }
   }
   return ffi::Error::Success();
