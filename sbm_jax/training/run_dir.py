@@ -27,6 +27,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sbm_jax.attention.registry import option_defaults
+from sbm_jax.config_defaults import DEFAULTS
+from sbm_jax.models.build import ENCODER_DEFAULTS
 from sbm_jax.training.errors import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -65,19 +68,25 @@ SAFE_TO_CHANGE = (
 
 
 # Fields added to the configs after runs were already made: a saved config without them
-# matches a new one that holds these values (the behaviour those runs had).
+# matches a new one that holds their default (the behaviour those runs had). The values
+# are read where each default is written.
 ABSENT_MEANS = {
-    "init_from": "",
-    "task.truncate": False,
-    "train.max_per_device_batch": 0,
-    "train.halt_on_nonfinite": True,
-    "checkpoint.best_metric": "accuracy",
-    "checkpoint.best_mode": "max",
-    "model.position_embedding": "learned",
-    "model.final_norm": True,
-    "model.remat": False,
-    "model.scaled_residual_init": False,
-    "model.attention_options.ste": "paper",
+    **{
+        name: DEFAULTS[name]
+        for name in (
+            "init_from",
+            "train.max_per_device_batch",
+            "train.halt_on_nonfinite",
+            "checkpoint.best_metric",
+            "checkpoint.best_mode",
+        )
+    },
+    **{
+        f"model.{name}": ENCODER_DEFAULTS[name]
+        for name in ("position_embedding", "final_norm", "remat", "scaled_residual_init")
+    },
+    "model.attention_options.ste": option_defaults("sbm")["ste"],
+    "task.truncate": False,  # LRA's (lra/train_task.py), before it could cut sequences
 }
 
 

@@ -259,10 +259,11 @@ class StateShardedJit:
         return self.jitted(state)(state, *args)
 
 
-def _mesh_int(mesh_cfg: Any, name: str, default: int) -> int:
+def _mesh_int(config: Any, name: str) -> int:
+    from sbm_jax.config_defaults import field
     from sbm_jax.training.errors import ConfigError
 
-    value = mesh_cfg.get(name, default)
+    value = field(config, f"mesh.{name}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(f"config.mesh.{name}={value!r} must be an integer")
     return int(value)
@@ -283,9 +284,8 @@ def mesh_from_config(config: Any) -> Mesh:
     """
     from sbm_jax.training.errors import ConfigError
 
-    mesh_cfg = config.get("mesh") or {}
-    data = _mesh_int(mesh_cfg, "data", -1)
-    heads = _mesh_int(mesh_cfg, "heads", 1)
+    data = _mesh_int(config, "data")
+    heads = _mesh_int(config, "heads")
     available = jax.device_count()
     if not 1 <= heads <= available:
         raise ConfigError(f"config.mesh.heads={heads} must be between 1 and {available} (devices)")

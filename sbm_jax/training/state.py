@@ -10,6 +10,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from sbm_jax.config_defaults import DEFAULTS
 from sbm_jax.training.sharding import ParamAxes, logical_axes, unbox
 from sbm_jax.training.task import Batch, Task
 
@@ -75,9 +76,11 @@ def make_optimizer(train: Any) -> optax.GradientTransformation:
         learning_rate_schedule(train),
         b1=float(train.b1),
         b2=float(train.b2),
-        eps=float(train.get("eps", 1e-8)),
+        eps=float(train.get("eps", DEFAULTS["train.eps"])),
         weight_decay=float(train.weight_decay),
-        mask=weight_decay_mask(str(train.get("weight_decay_mask", "all"))),
+        mask=weight_decay_mask(
+            str(train.get("weight_decay_mask", DEFAULTS["train.weight_decay_mask"]))
+        ),
     )
     if float(train.grad_clip_norm) > 0:
         return optax.chain(optax.clip_by_global_norm(float(train.grad_clip_norm)), adamw)
