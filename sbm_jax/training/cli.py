@@ -627,7 +627,7 @@ def main(
     from sbm_jax.training.checkpoints import CheckpointError
     from sbm_jax.training.nonfinite import NonFiniteError
     from sbm_jax.training.run_dir import check_resume, resolve_output_dir
-    from sbm_jax.training.summary import format_run_summary
+    from sbm_jax.training.summary import format_summary
     from sbm_jax.training.trainer import train_and_evaluate
 
     def config_error(e: ConfigError) -> str:
@@ -703,7 +703,7 @@ def main(
             )
         raise
     if primary:
-        out.write(format_run_summary(summary) + "\n")
+        out.write(format_summary(summary) + "\n")
         out.flush()
     return STOPPED_EXIT if "stopped_at" in summary else 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import glob
 import json
 import math
@@ -24,7 +25,7 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sbm_jax.attention.registry import option_defaults
@@ -221,6 +222,44 @@ def check_resume(output_dir: str, config: Any) -> bool:
             "with its own settings or choose another --output_dir"
         )
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """A run directory checked against a config (:func:`check_run_folder`): ``path``,
+    and whether it holds a run that the config resumes (``resuming``)."""
+
+    path: str
+    resuming: bool
+
+
+def check_run_folder(config: Any, output_dir: str | None = None) -> RunFolder:
+    """Where ``config`` trains (:func:`resolve_output_dir`) and whether it may: the one
+    check of the run directory (:func:`check_resume`), before anything is written.
+
+    Raises:
+      ConfigError: as ``check_resume``.
+    """
+    path = resolve_output_dir(config, output_dir)
+    return RunFolder(path, check_resume(path, config))
+
+
+@contextlib.contextmanager
+def open_run_folder(folder: RunFolder, primary: bool) -> Iterator[str]:
+    """Create the checked ``folder`` and probe its parts (:func:`prepare_output_dir`);
+    process 0 (``primary``) holds its :class:`RunLock` until the block ends, however it
+    ends. Yields the folder's path.
+
+    Raises:
+      ConfigError: a part that cannot be written, or a folder in use by another run.
+    """
+    path = prepare_output_dir(folder.path)
+    lock = RunLock(path) if primary else None  # before anything in the folder is read
+    try:
+        yield path
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 #: What a run writes inside its folder: directories, then files. Each one that exists

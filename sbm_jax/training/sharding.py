@@ -62,8 +62,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (("heads", HEADS_AXIS),
 ParamAxes = tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...]
 
 
-def make_data_heads_mesh(data: int, heads: int = 1) -> Mesh:
-    """Mesh ``("data", "heads")`` of shape ``(data, heads)`` over the first devices."""
+def make_mesh(data: int | None = None, heads: int = 1) -> Mesh:
+    """Mesh ``("data", "heads")`` of shape ``(data, heads)`` over the first devices
+    (``data`` None: all devices / ``heads``); ``make_mesh(n)`` is the data-parallel
+    layout over ``n`` devices. The trainer's comes from the config (``mesh_from_config``)."""
+    if data is None:
+        data = jax.device_count() // heads
     if data < 1 or heads < 1:
         raise ValueError(f"mesh shape ({data}, {heads}) must be positive")
     auto = jax.sharding.AxisType.Auto
@@ -315,4 +319,4 @@ def mesh_from_config(config: Any) -> Mesh:
                 f"config.mesh.heads={heads} must divide model.num_heads={num_heads} (each device "
                 "holds the same number of heads)"
             )
-    return make_data_heads_mesh(data, heads)
+    return make_mesh(data, heads)
