@@ -33,23 +33,15 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any, TextIO
 
 import jax
 import numpy as np
 
-from sbm_jax.training.checkpoints import RunCheckpoints, abstract_state, find_checkpoint
+from sbm_jax.training.checkpoints import RunCheckpoints, find_checkpoint
 from sbm_jax.training.config_checks import validate_config
 from sbm_jax.training.context import RunContext, RunSettings
 from sbm_jax.training.evaluation import evaluate_at_best
-from sbm_jax.training.host_data import (
-    process_train_rows,
-    put_global,
-    put_micro_batch,
-    split_micro_batches,
-    train_source,
-)
 from sbm_jax.training.loop import TrainLoop, no_dev_split_note
 from sbm_jax.training.nonfinite import NonFiniteError, replay_nonfinite
 from sbm_jax.training.plots import plot_run
@@ -59,12 +51,10 @@ from sbm_jax.training.sharding import (
     data_axis_size,
     heads_axis_size,
     mesh_from_config,
-    state_sharding,
 )
-from sbm_jax.training.state import create_train_state
-from sbm_jax.training.steps import compiled_steps, replicated
+from sbm_jax.training.steps import compiled_steps
 from sbm_jax.training.summary import run_summary, write_summary
-from sbm_jax.training.task import Task, build_task_model
+from sbm_jax.training.task import Task
 
 __all__ = ["NonFiniteError", "replay_nonfinite", "train_and_evaluate"]
 
@@ -198,51 +188,3 @@ def _say_mesh(mesh: Any, log: Any) -> None:
             f"mesh: data={data_axis_size(mesh)} x heads={heads_axis_size(mesh)} on {used} of "
             f"{jax.device_count()} devices{idle}"
         )
-
-
-def compiled_step_estimate(config: Any, task: Task) -> dict[str, float]:
-    """XLA's estimate for one training step of ``config`` on ``task``, from the step
-    compiled on abstract state (nothing trained, nothing written): ``memory_bytes``
-    (arguments + outputs - donated aliases + temporaries, per device), ``flops`` (0 when
-    the backend does not say) and ``device_bytes`` (the device's memory, 0 when unknown;
-    the host's on CPU)."""
-    mesh = mesh_from_config(config)
-    s = RunSettings.from_config(config, mesh)
-    rows = process_train_rows(s.batch_size, s.accum, mesh)
-    host_batch = next(train_source(task, rows)(0))
-    model = build_task_model(task, config.model)
-    fresh = create_train_state(config, model, task, host_batch)
-    target = abstract_state(fresh, state_sharding(fresh, mesh))
-    del fresh
-    batch = put_micro_batch(split_micro_batches(host_batch, s.accum), mesh)
-    steps = compiled_steps(task, mesh, s.density_lambda, s.accum, s.schedule, s.halt_on_nonfinite)
-    halted = (put_global(np.asarray(False), replicated(mesh)),) if s.halt_on_nonfinite else ()
-    train_step, args = steps[0], (target, batch, *halted)
-    jitted = train_step.jitted(target) if hasattr(train_step, "jitted") else train_step
-    compiled = jitted.lower(*args).compile()
-    memory = compiled.memory_analysis()
-    used = 0.0
-    if memory is not None:
-        used = float(
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-    flops = float((cost or {}).get("flops", 0.0)) if isinstance(cost, Mapping) else 0.0
-    return {"memory_bytes": used, "flops": max(flops, 0.0), "device_bytes": device_memory()}
-
-
-def device_memory() -> float:
-    """Bytes of memory of one device (its allocator's limit on GPU / TPU), the host's
-    physical memory on CPU; 0 when unknown."""
-    device = jax.local_devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        return float(stats.get("bytes_limit", 0))
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
