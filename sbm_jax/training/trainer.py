@@ -40,7 +40,7 @@ import numpy as np
 
 from sbm_jax.training.checkpoints import RunCheckpoints, find_checkpoint
 from sbm_jax.training.config_checks import validate_config
-from sbm_jax.training.context import RunContext, RunSettings
+from sbm_jax.training.context import Log, RunContext, RunSettings
 from sbm_jax.training.evaluation import evaluate_at_best
 from sbm_jax.training.loop import TrainLoop, no_dev_split_note
 from sbm_jax.training.nonfinite import NonFiniteError, replay_nonfinite
@@ -168,7 +168,7 @@ def train_and_evaluate(
         return summary
 
 
-def _log(stream: TextIO, primary: bool) -> Any:
+def _log(stream: TextIO, primary: bool) -> Log:
     """``message -> None``: a line on ``stream`` from process 0."""
 
     def log(message: str) -> None:
@@ -179,7 +179,7 @@ def _log(stream: TextIO, primary: bool) -> Any:
     return log
 
 
-def _say_mesh(mesh: Any, log: Any) -> None:
+def _say_mesh(mesh: Any, log: Log) -> None:
     """One line on the mesh, when there is more than one device."""
     if jax.device_count() > 1:
         used = int(np.prod(mesh.devices.shape))
