@@ -3,9 +3,11 @@
 Each config family (``configs/synthetic.py``, ``configs/lra/common.py``,
 ``configs/glue/pretrain.py``, ``configs/glue/finetune.py``) builds its sections here and
 passes only what its task decides; a field a family does not pass keeps the default
-below, written once. Extra keyword arguments add family fields (``eps``, ``num_epochs``,
-``warmup_fraction``, ...) to the section; the trainer reads a field it knows by name, so
-the order of fields does not matter (a run's ``config.json`` is written with sorted keys).
+below, written once (an optional field's, one the trainer also reads when a config
+leaves it out, in ``sbm_jax/config_defaults.py``). Extra keyword arguments add family
+fields (``eps``, ``num_epochs``, ``warmup_fraction``, ...) to the section; the trainer
+reads a field it knows by name, so the order of fields does not matter (a run's
+``config.json`` is written with sorted keys).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import ml_collections
+
+from sbm_jax.config_defaults import DEFAULTS
 
 
 def train_section(
@@ -28,7 +32,7 @@ def train_section(
     grad_clip_norm: float = 0.0,
     density_lambda: float = 0.0,
     log_every: int = 10,
-    eval_every: int = 0,
+    eval_every: int = DEFAULTS["train.eval_every"],
     **extra: Any,
 ) -> ml_collections.ConfigDict:
     """``config.train``: the optimiser, its schedule and the loop's frequencies."""
@@ -45,21 +49,23 @@ def train_section(
     train.density_lambda = density_lambda  # mean-density regulariser weight (< 0 rewards density)
     train.log_every = log_every  # steps between host syncs (every step is still recorded)
     train.eval_every = eval_every  # steps between dev evaluations (0: only at the end)
-    train.max_per_device_batch = 0  # examples per device per pass; more -> gradient
-    #   accumulation over micro-batches (0: the whole per-device share in one pass)
-    train.halt_on_nonfinite = True  # stop with replay state on a NaN/inf loss or gradient
+    # examples per device per pass; more -> gradient accumulation over micro-batches (0:
+    # the whole per-device share in one pass)
+    train.max_per_device_batch = DEFAULTS["train.max_per_device_batch"]
+    # stop with replay state on a NaN/inf loss or gradient
+    train.halt_on_nonfinite = DEFAULTS["train.halt_on_nonfinite"]
     for name, value in extra.items():
         train[name] = value
     return train
 
 
 def checkpoint_section(
-    *, best_metric: str, best_mode: str, every_steps: int = 1000
+    *, best_metric: str, best_mode: str, every_steps: int = DEFAULTS["checkpoint.every_steps"]
 ) -> ml_collections.ConfigDict:
     """``config.checkpoint``: when to save, how many to keep, which is the best."""
     checkpoint = ml_collections.ConfigDict()
     checkpoint.every_steps = every_steps  # steps between "latest" checkpoints (also at evals)
-    checkpoint.max_to_keep = 2  # latest checkpoints kept for resuming
+    checkpoint.max_to_keep = DEFAULTS["checkpoint.max_to_keep"]  # kept for resuming
     checkpoint.best_metric = best_metric  # dev metric that picks the best checkpoint
     checkpoint.best_mode = best_mode  # "max" or "min" for best_metric
     return checkpoint
@@ -68,7 +74,8 @@ def checkpoint_section(
 def mesh_section() -> ml_collections.ConfigDict:
     """``config.mesh``: the device mesh, data-parallel by default."""
     mesh = ml_collections.ConfigDict()
-    mesh.data = -1  # devices on the data-parallel axis (-1: all)
-    mesh.heads = 1  # devices splitting the attention heads (must divide model.num_heads;
-    #   per-head attention parameters are sharded over them; mesh.data=-1: all devices / heads)
+    mesh.data = DEFAULTS["mesh.data"]  # devices on the data-parallel axis (-1: all / heads)
+    # devices splitting the attention heads (must divide model.num_heads; per-head
+    # attention parameters are sharded over them)
+    mesh.heads = DEFAULTS["mesh.heads"]
     return mesh

@@ -12,36 +12,23 @@ every other flag is the trainer's.
 from __future__ import annotations
 
 import sys
-from typing import Any
-
-from absl import flags
 
 from sbm_jax.training import cli
 
-
-def define_extra(fv: Any) -> None:
-    flags.DEFINE_string("init_checkpoint", None, "Sets config.init_from.", flag_values=fv)
-    flags.DEFINE_string("tokenizer", None, "Sets config.data.tokenizer.", flag_values=fv)
-    flags.DEFINE_string("data_dir", None, "Sets config.data.tfds_data_dir.", flag_values=fv)
-
-
-def adjust(config: Any, fv: Any) -> None:
-    if fv.init_checkpoint is not None:
-        config.init_from = fv.init_checkpoint
-    if fv.tokenizer is not None:
-        config.data.tokenizer = fv.tokenizer
-    if fv.data_dir is not None:
-        config.data.tfds_data_dir = fv.data_dir
+#: This command's own flags and the config field each sets; every other flag is the
+#: trainer's.
+ALIASES = {
+    "init_checkpoint": "init_from",
+    "tokenizer": "data.tokenizer",
+    "data_dir": "data.tfds_data_dir",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     return cli.main(
-        list(sys.argv if argv is None else argv),
-        task_modules=("glue.tasks",),
-        adjust=adjust,
-        define_extra=define_extra,
+        list(sys.argv if argv is None else argv), task_modules=("glue.tasks",), aliases=ALIASES
     )
 
 
 if __name__ == "__main__":
-    cli.run(task_modules=("glue.tasks",), adjust=adjust, define_extra=define_extra)
+    cli.run(task_modules=("glue.tasks",), aliases=ALIASES)

@@ -10,35 +10,19 @@ is ``python scripts/train.py --config=configs/glue/pretrain.py:sbm,smoke
 from __future__ import annotations
 
 import sys
-from typing import Any
-
-from absl import flags
 
 from sbm_jax.training import cli
 
-
-def define_extra(fv: Any) -> None:
-    flags.DEFINE_string(
-        "corpus", None, "Sets config.data.corpus (a glob of text files).", flag_values=fv
-    )
-    flags.DEFINE_string("tokenizer", None, "Sets config.data.tokenizer.", flag_values=fv)
-
-
-def adjust(config: Any, fv: Any) -> None:
-    if fv.corpus is not None:
-        config.data.corpus = fv.corpus
-    if fv.tokenizer is not None:
-        config.data.tokenizer = fv.tokenizer
+#: This command's own flags and the config field each sets; every other flag is the
+#: trainer's.
+ALIASES = {"corpus": "data.corpus", "tokenizer": "data.tokenizer"}
 
 
 def main(argv: list[str] | None = None) -> int:
     return cli.main(
-        list(sys.argv if argv is None else argv),
-        task_modules=("glue.tasks",),
-        adjust=adjust,
-        define_extra=define_extra,
+        list(sys.argv if argv is None else argv), task_modules=("glue.tasks",), aliases=ALIASES
     )
 
 
 if __name__ == "__main__":
-    cli.run(task_modules=("glue.tasks",), adjust=adjust, define_extra=define_extra)
+    cli.run(task_modules=("glue.tasks",), aliases=ALIASES)

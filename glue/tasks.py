@@ -51,6 +51,7 @@ from glue.tokenizer import (
     save_tokenizer,
     special_ids,
 )
+from sbm_jax.models.build import ENCODER_DEFAULTS
 from sbm_jax.tasks import register_task
 from sbm_jax.training.checkpoints import (
     find_checkpoint,
@@ -76,8 +77,10 @@ ARCHITECTURE_FIELDS = (
     "position_embedding",
     "final_norm",
 )
-# What a field absent from an older checkpoint's config meant (the encoder's default then).
-ARCHITECTURE_DEFAULTS = {"position_embedding": "learned", "final_norm": True}
+# What a field absent from an older checkpoint's config meant (the encoder's default).
+ARCHITECTURE_DEFAULTS = {
+    name: ENCODER_DEFAULTS[name] for name in ("position_embedding", "final_norm")
+}
 
 
 def derive_schedule(config: Any, num_examples: int) -> None:

@@ -330,8 +330,10 @@ def run_lra_step(case, mechanism):
 
     import configs.lra.pathfinder as pathfinder_config
     from sbm_jax.models.build import build_model
-    from sbm_jax.training.state import create_train_state, learning_rate_schedule
-    from sbm_jax.training.steps import make_mesh, make_train_step
+    from sbm_jax.training.host_data import split_micro_batches
+    from sbm_jax.training.sharding import make_mesh
+    from sbm_jax.training.state import ScheduleArgs, create_train_state, learning_rate_schedule
+    from sbm_jax.training.steps import make_train_step
     from sbm_jax.training.task import Task
 
     n, batch = case["n"], case["b"]
@@ -348,9 +350,11 @@ def run_lra_step(case, mechanism):
     task = Task(name="path_x_mock", head="classification", train_batches=lambda s: iter([data]))
     model = build_model(config.model, "classification")
     state = create_train_state(config, model, task, data)
+    schedule = learning_rate_schedule(*ScheduleArgs.of(config.train))
     step = make_train_step(
-        task, make_mesh(1), float(config.train.density_lambda), learning_rate_schedule(config.train)
+        task, make_mesh(1), float(config.train.density_lambda), schedule=schedule
     )
+    data = split_micro_batches(data, 1)  # the step takes [micro-batches, rows, ...]
     t0 = time.perf_counter()
     state, _ = step(state, data)  # compiles; the step donates its state
     jax.block_until_ready(state)

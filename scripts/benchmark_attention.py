@@ -588,8 +588,10 @@ def lra_step_workload(mechanism: str, n: int, batch: int):
     backward, AdamW update. Returns ``(compiled-able fn, args, info)``."""
     import configs.lra.pathfinder as pathfinder_config
     from sbm_jax.models.build import build_model
-    from sbm_jax.training.state import create_train_state, learning_rate_schedule
-    from sbm_jax.training.steps import make_mesh, make_train_step
+    from sbm_jax.training.host_data import split_micro_batches
+    from sbm_jax.training.sharding import make_mesh
+    from sbm_jax.training.state import ScheduleArgs, create_train_state, learning_rate_schedule
+    from sbm_jax.training.steps import make_train_step
     from sbm_jax.training.task import Task
 
     config = pathfinder_config.get_config(mechanism)
@@ -607,9 +609,8 @@ def lra_step_workload(mechanism: str, n: int, batch: int):
     model = build_model(config.model, "classification")
     state = create_train_state(config, model, task, data)
     mesh = make_mesh(1)
-    step = make_train_step(
-        task, mesh, float(config.train.density_lambda), learning_rate_schedule(config.train)
-    )
+    schedule = learning_rate_schedule(*ScheduleArgs.of(config.train))
+    step = make_train_step(task, mesh, float(config.train.density_lambda), schedule=schedule)
     info = {"batch": batch, "layers": int(config.model.num_layers)}
     if mechanism == "sbm":
         opts = config.model.attention_options
@@ -619,7 +620,7 @@ def lra_step_workload(mechanism: str, n: int, batch: int):
         scratch = fused_scratch(kernel, batch * heads, n, head_dim, int(opts.num_clusters))
         if scratch is not None:  # one pool, shared by the layers (same sizes)
             info["native_scratch_bytes"] = scratch
-    return step, (state, data), info
+    return step, (state, split_micro_batches(data, 1)), info
 
 
 def calibrate_edge_cost(

@@ -45,7 +45,7 @@ from configs import synthetic  # noqa: E402
 from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.analysis import LRA_SEQ_LENS, flops_table  # noqa: E402
 from sbm_jax.attention import available  # noqa: E402
-from sbm_jax.training import ConfigError, run_training  # noqa: E402
+from sbm_jax.training import ConfigError, train_and_evaluate  # noqa: E402
 
 
 def make_config(
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         print(f"== {name}: {config.model.attention_options.to_dict()}", flush=True)
         try:
-            summary = run_training(
+            summary = train_and_evaluate(
                 config,
                 tasks.build_task(config),
                 output_dir=os.path.join(args.output_dir, name),

@@ -176,8 +176,35 @@ def masked_grads_are_finite(apply_fn: Callable, params, x, mask) -> Any:
     return grads
 
 
+def count_compiles(fn: Callable[[], Any]) -> int:
+    """How many programs the backend compiles while ``fn()`` runs (its result blocked on)."""
+    from jax._src import dispatch, monitoring
+
+    compiles = []
+
+    def listen(event: str, duration: float, **kwargs: Any) -> None:
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return len(compiles)
+
+
 def assert_traced_once(fn: Callable, calls: Iterable[tuple]) -> None:
-    """jax.jit(fn) over every argument tuple in calls compiles exactly once."""
+    """``fn`` compiles once for every argument tuple in ``calls`` (same shapes, other
+    data): ``jax.jit(fn)`` traces once, and ``fn`` called as it is (eagerly, as a
+    notebook or ``model.init`` calls a layer) compiles no more for a call on other data
+    than for the first call repeated.
+
+    The second half is what can fail: ``jit``'s cache alone guarantees one trace for
+    calls of identical shapes, but a path chosen on the host from the data (a static
+    argument of an inner ``jax.jit``, taken only when the values are concrete) compiles
+    once per path when called eagerly, and only there."""
+    calls = list(calls)
     traces = []
 
     @jax.jit
@@ -188,6 +215,13 @@ def assert_traced_once(fn: Callable, calls: Iterable[tuple]) -> None:
     for args in calls:
         jax.block_until_ready(traced(*args))
     assert len(traces) == 1
+    jax.block_until_ready(fn(*calls[0]))  # compiles every operation once
+    # What a call compiles even on the same data (an eager lax loop traces its body
+    # anew), against what a call on other data compiles: more is a path per batch.
+    again = count_compiles(lambda: fn(*calls[0]))
+    for i, args in enumerate(calls[1:], 1):
+        n = count_compiles(lambda args=args: fn(*args))
+        assert n == again, f"call {i} (other data) compiled {n} programs, a repeated call {again}"
 
 
 def assert_module_ignores_padding(module) -> jax.Array:

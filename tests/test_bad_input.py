@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from sbm_jax.training import cli
+from sbm_jax.training import cli, step_size
 from sbm_jax.training.metrics import MetricsWriter
 from sbm_jax.training.run_dir import RunLock
 
@@ -71,8 +71,8 @@ def test_a_step_count_beyond_int32_is_refused(tmp_path):
 def test_a_batch_too_big_for_the_host_is_refused_before_any_batch_is_built(monkeypatch):
     # The step estimate builds one host batch: a batch the host cannot hold (here a host
     # of 1 MiB) is refused before it is built.
-    monkeypatch.setattr(cli, "step_estimate", lambda config: pytest.fail("batch was built"))
-    monkeypatch.setattr(cli, "host_memory", lambda: 2.0**20)
+    monkeypatch.setattr(step_size, "step_estimate", lambda config: pytest.fail("batch was built"))
+    monkeypatch.setattr(step_size, "host_memory", lambda: 2.0**20)
     status, stdout, err = run_train(
         f"--config={SYNTHETIC}:sbm,smoke", "--config.train.batch_size=100000", "--dry_run"
     )
@@ -103,7 +103,7 @@ def test_print_config_with_a_bad_value_prints_the_error_alone():
 
 
 def test_workdir_is_output_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "step_estimate", lambda config: "not needed here")
+    monkeypatch.setattr(step_size, "step_estimate", lambda config: "not needed here")
     status, stdout, err = run_train(
         f"--config={SYNTHETIC}:sbm,smoke", f"--workdir={tmp_path / 'w'}", "--dry_run"
     )
@@ -309,8 +309,10 @@ def test_dry_run_prints_the_compiled_steps_estimate_and_a_step_too_big_is_refuse
     tmp_path, monkeypatch
 ):
     seen = []
-    real = cli.step_estimate
-    monkeypatch.setattr(cli, "step_estimate", lambda config: seen.append(real(config)) or seen[-1])
+    real = step_size.step_estimate
+    monkeypatch.setattr(
+        step_size, "step_estimate", lambda config: seen.append(real(config)) or seen[-1]
+    )
     status, stdout, err = run_train(*TINY, "--dry_run")
     assert status == 0, err
     (line,) = [x for x in stdout.splitlines() if x.startswith("compiled train step: ")]
@@ -319,12 +321,14 @@ def test_dry_run_prints_the_compiled_steps_estimate_and_a_step_too_big_is_refuse
     # (the estimate above, on a device of 1 KiB).
     (measured,) = seen
     assert measured["memory_bytes"] > 1024 and measured["flops"] > 0
-    monkeypatch.setattr(cli, "step_estimate", lambda config: {**measured, "device_bytes": 1024})
+    monkeypatch.setattr(
+        step_size, "step_estimate", lambda config: {**measured, "device_bytes": 1024}
+    )
     status, stdout, err = run_train(*TINY, "--dry_run")
     assert_one_line(status, stdout, err, "config.task.seq_len=8 with config.train.batch_size=8")
     assert "per device (XLA's estimate of the compiled step), more than the" in err
     # A run (not only --dry_run) whose step is large is checked the same way.
-    monkeypatch.setattr(cli, "LARGE_STEP_PAIRS", 0)
+    monkeypatch.setattr(step_size, "LARGE_STEP_PAIRS", 0)
     out = tmp_path / "run"
     status, stdout, err = run_train(*TINY, f"--output_dir={out}")
     assert_one_line(status, stdout, err, "one training step needs about")

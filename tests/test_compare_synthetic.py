@@ -69,7 +69,7 @@ def test_a_stopped_run_stops_the_comparison_in_one_line(tmp_path, monkeypatch, c
     on which the script used to fail with KeyError: 'loss' and write nothing."""
     script = load_script("compare_synthetic")
     monkeypatch.setattr(
-        script, "run_training", lambda *a, **k: {"stopped_at": 2, "reason": "SIGTERM"}
+        script, "train_and_evaluate", lambda *a, **k: {"stopped_at": 2, "reason": "SIGTERM"}
     )
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--steps=3", "--seq_len=8", "--mechanisms=full", f"--output_dir={tmp_path}"])

@@ -14,7 +14,7 @@ import pytest
 from lra.input_pipeline import batch_examples, train_examples
 from lra.train_task import MockSource, train_rows
 from sbm_jax.training.host_data import process_train_rows
-from sbm_jax.training.steps import make_mesh
+from sbm_jax.training.sharding import make_mesh
 from tests.process_testing import free_port, run_and_collect, xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -293,7 +293,7 @@ SWEEP_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, ml_collections, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from sbm_jax.models import build_model
-    from sbm_jax.training.sharding import make_data_heads_mesh, state_sharding
+    from sbm_jax.training.sharding import make_mesh, state_sharding
     from sbm_jax.training.state import create_train_state
     from sbm_jax.training.task import Task
 
@@ -304,7 +304,7 @@ SWEEP_SCRIPT = textwrap.dedent(
     lengths = jnp.array([16, 11, 7, 16, 3, 9, 16, 5])
     batch = {"inputs": ids, "mask": jnp.arange(16)[None, :] < lengths[:, None]}
     labels = jnp.arange(8) % 3
-    mesh = make_data_heads_mesh(4, 2)
+    mesh = make_mesh(4, 2)
     out = {}
     for mech in mechanisms:
         config = ml_collections.ConfigDict({

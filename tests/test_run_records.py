@@ -228,7 +228,7 @@ def test_a_crash_between_best_and_latest_and_a_shrunk_run_are_handled(tmp_path):
             cut(*args, **kwargs)
             raise KeyboardInterrupt
 
-        patch.setattr("sbm_jax.training.trainer.truncate_records", stop_there)
+        patch.setattr("sbm_jax.training.resume.truncate_records", stop_there)
         status, _, _ = run_train(*common, "--config.train.num_steps=6", f"--output_dir={out}")
     assert status == 130 and not os.path.exists(os.path.join(out, "summary.json"))
 

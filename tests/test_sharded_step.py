@@ -25,12 +25,13 @@ SCRIPT = textwrap.dedent(
     from lra.input_pipeline import batch_examples, train_examples
     from lra.train_task import MockSource
     from sbm_jax.models import build_model
-    from sbm_jax.training.state import create_train_state, learning_rate_schedule
-    from sbm_jax.training.sharding import make_data_heads_mesh, state_sharding
-    from sbm_jax.training.steps import make_mesh, make_train_step, replicated, shard_batch
+    from sbm_jax.training.state import ScheduleArgs, create_train_state, learning_rate_schedule
+    from sbm_jax.training.sharding import make_mesh, state_sharding
+    from sbm_jax.training.steps import loss_and_grads, make_train_step, replicated, shard_batch
+    from sbm_jax.training.steps import step_rngs
     from sbm_jax.training.task import Task
     from sbm_jax.training.host_data import split_micro_batches
-    from sbm_jax.training.steps import make_accumulating_train_step, micro_batch_sharding
+    from sbm_jax.training.steps import micro_batch_sharding
 
     assert jax.device_count() == 8, jax.devices()
     out = {}
@@ -42,7 +43,14 @@ SCRIPT = textwrap.dedent(
         batch = batch_examples(examples, 16)[0]
         task = Task(name="t", head="classification", train_batches=None)
         model = build_model(config.model, "classification")
-        schedule = learning_rate_schedule(config.train)
+        schedule = learning_rate_schedule(*ScheduleArgs.of(config.train))
+
+        def reference_step(state, batch):
+            # The plain data-parallel step written out: one pass over the whole batch,
+            # the step's rng streams from state.rng itself, one update.
+            rngs = step_rngs(state.rng, state.step)
+            _, metrics, stats, grads = loss_and_grads(state, task, batch, rngs, 0.1)
+            return state.apply_gradients(grads=grads), {**metrics, **stats}
 
         def query_kernel(params):
             paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -59,10 +67,9 @@ SCRIPT = textwrap.dedent(
             else:
                 state = jax.device_put(state, replicated(mesh))
             if reference:
-                step = make_train_step(task, mesh, 0.1, schedule)
-                new, m = step(state, shard_batch(batch, mesh))
+                new, m = jax.jit(reference_step)(state, shard_batch(batch, mesh))
             else:
-                step = make_accumulating_train_step(task, mesh, 0.1, accum, schedule)
+                step = make_train_step(task, mesh, 0.1, accum_steps=accum, schedule=schedule)
                 b = jax.device_put(split_micro_batches(batch, accum), micro_batch_sharding(mesh))
                 new, m = step(state, b)
             if layout is not None:  # where the new state's per-head parameters live
@@ -93,7 +100,7 @@ SCRIPT = textwrap.dedent(
         ref = run(make_mesh(1), 1, reference=True)
         eight = run(make_mesh(8), 1)
         layout = {}
-        heads = run(make_data_heads_mesh(4, 2), 1, layout=layout)
+        heads = run(make_mesh(4, 2), 1, layout=layout)
         res = {"layout": layout}
         for name, other in (("eight", eight), ("reference", ref), ("data4_heads2", heads)):
             res[name] = {
@@ -109,7 +116,7 @@ SCRIPT = textwrap.dedent(
                 "params": max(float(np.max(np.abs(a - b))) for a, b in zip(
                     jax.tree.leaves(one[0]), jax.tree.leaves(acc[0]))),
             }
-            acc = run(make_data_heads_mesh(4, 2), 2)
+            acc = run(make_mesh(4, 2), 2)
             res["accum2_data4_heads2"] = {
                 "loss": abs(float(one[1]) - float(acc[1])),
                 "params": max(float(np.max(np.abs(a - b))) for a, b in zip(

@@ -36,6 +36,8 @@ from sbm_jax.training import (
     train_and_evaluate,
 )
 from sbm_jax.training.checkpoints import RunCheckpoints
+from sbm_jax.training.host_data import put_micro_batch, split_micro_batches
+from sbm_jax.training.state import ScheduleArgs
 from tests.process_testing import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +95,7 @@ def test_schedule_warms_up_and_decays_linearly():
     cfg = ml_collections.ConfigDict(
         dict(learning_rate=1.0, warmup_steps=10, num_steps=110, end_learning_rate_factor=0.0)
     )
-    schedule = learning_rate_schedule(cfg)
+    schedule = learning_rate_schedule(*ScheduleArgs.of(cfg))
     for step, expected in [(0, 0.0), (5, 0.5), (10, 1.0), (60, 0.5), (110, 0.0)]:
         np.testing.assert_allclose(schedule(step), expected, atol=1e-6)
 
@@ -162,10 +164,16 @@ def test_train_steps_lower_the_loss_on_a_fixed_batch():
     eval_step = make_eval_step(task, mesh)
     train_step = make_train_step(task, mesh, density_lambda=0.0)
     device_batch = shard_batch(batch, mesh)
-    before = float(eval_step(state, device_batch, jax.random.PRNGKey(0))["loss"])
+    micro_batches = put_micro_batch(split_micro_batches(batch, 1), mesh)
+
+    def loss(state):
+        sums = eval_step(state, device_batch, jax.random.PRNGKey(0))
+        return float(sums["loss_sum"] / sums["weight"])
+
+    before = loss(state)
     for _ in range(30):
-        state, metrics = train_step(state, device_batch)
-    after = float(eval_step(state, device_batch, jax.random.PRNGKey(0))["loss"])
+        state, metrics = train_step(state, micro_batches)
+    after = loss(state)
     assert int(state.step) == 30
     assert after < 0.8 * before, (before, after)
 
@@ -252,7 +260,7 @@ def test_density_lambda_adds_to_the_loss_and_its_gradient(lam):
     )
     mesh = make_mesh()
     state, metrics = make_train_step(task, mesh, density_lambda=lam)(
-        state, shard_batch(batch, mesh)
+        state, put_micro_batch(split_micro_batches(batch, 1), mesh)
     )
     np.testing.assert_allclose(metrics["loss"], np.log(2.0), rtol=1e-6)
     np.testing.assert_allclose(metrics["total_loss"], np.log(2.0) + lam * 0.5, rtol=1e-6)
@@ -305,6 +313,7 @@ def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
         from sbm_jax.training import (
             create_train_state, make_mesh, make_train_step, replicated, shard_batch,
             train_and_evaluate)
+        from sbm_jax.training.host_data import put_micro_batch, split_micro_batches
         assert jax.device_count() == 2
         root = sys.argv[1]
 
@@ -326,7 +335,8 @@ def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
         state = jax.device_put(
             create_train_state(config, build_model(config.model, task.head), task, batch),
             replicated(mesh))
-        state, _ = make_train_step(task, mesh, 0.0)(state, shard_batch(batch, mesh))
+        state, _ = make_train_step(task, mesh, 0.0)(
+            state, put_micro_batch(split_micro_batches(batch, 1), mesh))
         sharding = state.params["encoder"]["token_embed"]["embedding"].sharding
         assert sharding.is_fully_replicated and len(sharding.device_set) == 2
         batch = shard_batch(next(task.train_batches(0)), make_mesh(2))
@@ -407,7 +417,7 @@ def test_resume_note_rebuilds_the_old_schedule_from_the_saved_train_section():
     step 10: 10/18 = 0.556 -> 10/36 = 0.278 (the old code rebuilt the old schedule with
     the new warm-up, found no change and said nothing); step 100: 1 - 82/282 = 0.709 ->
     1 - 64/564 = 0.887 (the old code said 0.758 -> 0.887)."""
-    from sbm_jax.training.trainer import _note_schedule_change
+    from sbm_jax.training.resume import note_schedule_change as _note_schedule_change
 
     def train(num_steps, warmup_steps):
         return dict(
@@ -442,7 +452,7 @@ def test_a_non_finite_dev_metric_never_becomes_or_blocks_the_best():
     """With a NaN first dev metric as the best, every comparison with it was False and
     no later checkpoint could become the best; a non-finite value is never better and
     any finite one beats a non-finite best."""
-    from sbm_jax.training.trainer import _better
+    from sbm_jax.training.loop import better as _better
 
     nan, inf = float("nan"), float("inf")
     for mode in ("max", "min"):
@@ -459,13 +469,13 @@ def test_a_non_finite_dev_metric_never_becomes_or_blocks_the_best():
 def test_a_nan_first_dev_metric_does_not_lock_the_best_checkpoint(tmp_path, monkeypatch):
     """Dev accuracies NaN, 0.3, 0.2 at steps 1, 2, 3: the best is step 2 (the old rule
     kept step 1's NaN as the best for the rest of the run and tested it)."""
-    from sbm_jax.training import trainer
+    from sbm_jax.training import evaluation
 
     config = tiny_config(num_steps=3, eval_every=1)
     config.task.eval_batches = 1
     task = build_task(config)
     dev_values = iter([float("nan"), 0.3, 0.2])
-    real = trainer.evaluate_split
+    real = evaluation.evaluate_split
 
     def evaluate(*args, **kwargs):
         result = dict(real(*args, **kwargs))
@@ -475,7 +485,7 @@ def test_a_nan_first_dev_metric_does_not_lock_the_best_checkpoint(tmp_path, monk
         return result
 
     result_log: list[float] = []
-    monkeypatch.setattr(trainer, "evaluate_split", evaluate)
+    monkeypatch.setattr(evaluation, "evaluate_split", evaluate)
     summary = train_and_evaluate(config, task, str(tmp_path), progress_stream=io.StringIO())
     assert summary["best_dev_step"] == 2 and summary["best_dev"] == 0.3
     assert summary["test_step"] == 2
@@ -514,7 +524,7 @@ def test_a_run_shrunk_to_its_stopped_step_is_evaluated_there_once(tmp_path):
 
 
 def test_the_dev_step_of_a_checkpoint_saved_before_it_was_recorded_is_inferred():
-    from sbm_jax.training.trainer import _dev_step
+    from sbm_jax.training.resume import dev_step as _dev_step
 
     saved = {"config": {"train": {"eval_every": 3, "num_steps": 10}}}
     assert _dev_step({"dev_step": 4, **saved}, 5) == 4  # recorded: taken as is

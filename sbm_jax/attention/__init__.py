@@ -10,6 +10,7 @@ from sbm_jax.attention.registry import (
     get_mechanism,
     option_defaults,
     register,
+    register_config_check,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "get_mechanism",
     "option_defaults",
     "register",
+    "register_config_check",
 ]
 from sbm_jax.attention import (
     full,  # noqa: F401
@@ -32,6 +34,7 @@ from sbm_jax.attention import (
     performer,  # noqa: F401
     reformer,  # noqa: F401
     sbm,  # noqa: F401
+    sbm_checks,  # noqa: F401
     sparse_patterns,  # noqa: F401
     tsa,  # noqa: F401
 )

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -69,6 +69,18 @@ class ParamsFn(Protocol):
     def __call__(self, n: int, D: int, H: int, d: int, options: Mapping[str, Any]) -> int: ...
 
 
+class ConfigCheckFn(Protocol):
+    """A mechanism's own check of a training run, beyond its options' ``validate()``:
+    given the module as the encoder builds it, every ``(what, rows)`` batch the run
+    traces the layer with (``"the training micro-batch"``, 16) and the longest input
+    length, the problems found, each a message naming the config fields (``[]``: none).
+    Run by the trainer's config check before anything is built or compiled."""
+
+    def __call__(
+        self, module: nn.Module, batches: Sequence[tuple[str, int]], length: int
+    ) -> list[str]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Mechanism:
     """What is known about one registered attention mechanism.
@@ -80,6 +92,8 @@ class Mechanism:
       params: its analytic parameter count (:class:`ParamsFn`), or None.
       length_options: options a task sizes to its padded length ``n`` (e.g. Linformer's
         ``max_len``), or None.
+      config_check: its check of a run's batch sizes (:class:`ConfigCheckFn`), or None;
+        set by :func:`register_config_check`.
     """
 
     name: str
@@ -87,6 +101,7 @@ class Mechanism:
     flops: FlopsFn | None = None
     params: ParamsFn | None = None
     length_options: Callable[[int], dict[str, Any]] | None = None
+    config_check: ConfigCheckFn | None = None
 
     def option_defaults(self) -> dict[str, Any]:
         """``{option: default}`` from the module's dataclass fields (common fields left out)."""
@@ -175,6 +190,19 @@ def register(
             raise TypeError(f"attention {name!r} ({cls.__name__}) lacks the fields {missing}")
         _REGISTRY[name] = Mechanism(name, cls, flops, params, length_options)
         return cls
+
+    return wrap
+
+
+def register_config_check(name: str) -> Callable[[ConfigCheckFn], ConfigCheckFn]:
+    """Function decorator that hangs ``check`` (:class:`ConfigCheckFn`) on the registry
+    entry of mechanism ``name`` (registered already), beside its FLOPs: the generic
+    config check calls it, so mechanism knowledge stays in the mechanism's modules."""
+
+    def wrap(check: ConfigCheckFn) -> ConfigCheckFn:
+        entry = get_mechanism(name)
+        _REGISTRY[name] = dataclasses.replace(entry, config_check=check)
+        return check
 
     return wrap
 

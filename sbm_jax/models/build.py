@@ -4,9 +4,9 @@ Fields read (each documented where a config file sets it):
 ``vocab_size, max_len, emb_dim, num_layers, num_heads, head_dim, mlp_dim, attention,
 attention_options, dropout, attention_dropout, pooling, classifier_dim, num_classes,
 dtype`` and, for token heads, ``token_head_dim`` (optional, default 0); optional
-``remat`` and ``scaled_residual_init`` (default False, the Sparse Transformer's
-training aids), ``query_key_init`` (default "independent"), ``position_embedding``
-(default "learned") and ``final_norm`` (default True); see ``sbm_jax.models.encoder``.
+``remat`` and ``scaled_residual_init`` (the Sparse Transformer's training aids),
+``query_key_init``, ``position_embedding`` and ``final_norm``, whose defaults are the
+``Encoder``'s (``ENCODER_DEFAULTS``); see ``sbm_jax.models.encoder``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,20 @@ from sbm_jax.models.tsa_classifier import TSAClassifier
 
 HEAD_KINDS = ("classification", "token", "dual_encoder")
 
+#: The encoder's optional ``model`` fields and their defaults, read from the ``Encoder``
+#: module's own fields (the one place they are written): what a config, or an older
+#: run's saved config, that leaves one out gets.
+ENCODER_DEFAULTS: dict[str, Any] = {
+    name: Encoder.__dataclass_fields__[name].default
+    for name in (
+        "remat",
+        "scaled_residual_init",
+        "query_key_init",
+        "position_embedding",
+        "final_norm",
+    )
+}
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -50,17 +64,17 @@ def _options(value: Any) -> dict[str, Any]:
     raise ValueError(f"model.attention_options must be a mapping, got {type(value).__name__}")
 
 
-def _flag(model: Any, name: str, default: bool = False) -> bool:
+def _flag(model: Any, name: str) -> bool:
     """Optional boolean ``model.<name>``; anything else names the field."""
-    value = model.get(name, default)
+    value = model.get(name, ENCODER_DEFAULTS[name])
     if not isinstance(value, bool):
         raise ValueError(f"model.{name}={value!r} must be True or False")
     return value
 
 
-def _choice(model: Any, name: str, default: str, choices: tuple[str, ...]) -> str:
+def _choice(model: Any, name: str, choices: tuple[str, ...]) -> str:
     """Optional string ``model.<name>`` from ``choices``; anything else names the field."""
-    value = model.get(name, default)
+    value = model.get(name, ENCODER_DEFAULTS[name])
     if value not in choices:
         raise ValueError(f"model.{name}={value!r} must be one of {choices}")
     return str(value)
@@ -84,9 +98,9 @@ def build_encoder(model: Any) -> Encoder:
         dtype=model_dtype(str(model.get("dtype", "float32"))),
         remat=_flag(model, "remat"),
         scaled_residual_init=_flag(model, "scaled_residual_init"),
-        query_key_init=_choice(model, "query_key_init", "independent", QUERY_KEY_INITS),
-        position_embedding=_choice(model, "position_embedding", "learned", POSITION_EMBEDDINGS),
-        final_norm=_flag(model, "final_norm", default=True),
+        query_key_init=_choice(model, "query_key_init", QUERY_KEY_INITS),
+        position_embedding=_choice(model, "position_embedding", POSITION_EMBEDDINGS),
+        final_norm=_flag(model, "final_norm"),
     )
 
 

@@ -5,6 +5,7 @@ from sbm_jax.training.config_checks import ConfigError, config_errors, validate_
 from sbm_jax.training.metrics import MetricsWriter, ProgressBar
 from sbm_jax.training.plots import plot_metrics, read_metrics_csv
 from sbm_jax.training.run_dir import prepare_output_dir, resolve_output_dir
+from sbm_jax.training.sharding import make_mesh
 from sbm_jax.training.state import (
     TrainState,
     create_train_state,
@@ -15,19 +16,18 @@ from sbm_jax.training.stats import collect_attention_stats
 from sbm_jax.training.steps import (
     data_sharding,
     make_eval_step,
-    make_mesh,
     make_train_step,
     replicated,
     shard_batch,
 )
-from sbm_jax.training.summary import format_run_summary, format_summary
+from sbm_jax.training.summary import format_summary
 from sbm_jax.training.task import (
     Task,
     classification_loss,
     default_model_inputs,
     dual_encoder_model_inputs,
 )
-from sbm_jax.training.trainer import NonFiniteError, run_training, train_and_evaluate
+from sbm_jax.training.trainer import NonFiniteError, train_and_evaluate
 
 __all__ = [
     "ConfigError",
@@ -43,7 +43,6 @@ __all__ = [
     "data_sharding",
     "default_model_inputs",
     "dual_encoder_model_inputs",
-    "format_run_summary",
     "format_summary",
     "learning_rate_schedule",
     "make_eval_step",
@@ -55,7 +54,6 @@ __all__ = [
     "read_metrics_csv",
     "replicated",
     "resolve_output_dir",
-    "run_training",
     "shard_batch",
     "train_and_evaluate",
     "validate_config",

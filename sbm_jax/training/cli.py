@@ -28,6 +28,14 @@ JSON, one record per line: a NaN or infinite value is written as ``null``.
 ``--workdir=DIR`` is ``--output_dir=DIR``; ``--list_presets`` lists the presets the
 ``--config`` file accepts.
 
+``ml_collections.config_flags`` parses ``--config`` (``DEFINE_config_file``: the file,
+the preset after the colon, the ``--config.<field>`` overrides). What is ours is around
+it: a preset found by name in the ``configs`` package (``--config=synthetic:quick``, as
+an installed package runs it), one-line errors, the mechanism's options added before the
+overrides apply, ``--print_config``, ``--dry_run``, ``--list_presets`` and
+``--workdir``. The config and the run directory are each checked once, here, before the
+task is built; the trainer is handed the checked folder (``run_dir.RunFolder``).
+
 Any option of the configured attention mechanism may be set with
 ``--config.model.attention_options.<option>=...`` even when the preset does not list
 it (it then starts from the mechanism's default), e.g.
@@ -39,19 +47,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
-import importlib
-import importlib.util
+import functools
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from sbm_jax.script_usage import USAGE_EXIT
 from sbm_jax.tasks.registry import DEFAULT_TASK_MODULES, import_task_modules
+from sbm_jax.training import step_size
 from sbm_jax.training.config_checks import (
     ConfigError,
     closest_field,
@@ -59,8 +68,8 @@ from sbm_jax.training.config_checks import (
     one_line,
     without_repeats,
 )
+from sbm_jax.training.run_dir import RunFolder, check_run_folder
 
-USAGE_EXIT = 2
 NONFINITE_EXIT = 3
 #: A run stopped by SIGTERM, Ctrl-C or SIGHUP after saving its latest checkpoint:
 #: sysexits' EX_TEMPFAIL ("try again later"), so that ``train && next`` stops and a
@@ -92,19 +101,6 @@ To list a preset's fields (every one can be overridden):
 """
 
 
-def _split_spec(spec: str) -> tuple[str, str | None]:
-    """``"configs/x.py:sbm,smoke"`` -> ("configs/x.py", "sbm,smoke"); a preset named
-    without ``.py`` splits at its first colon: ``"lra/listops:sbm"`` -> ("lra/listops",
-    "sbm")."""
-    index = spec.find(".py:")
-    if index >= 0:
-        return spec[: index + 3], spec[index + 4 :]
-    if not spec.endswith(".py") and ":" in spec:
-        path, arg = spec.split(":", 1)
-        return path, arg
-    return spec, None
-
-
 def resolve_config_path(path: str) -> str | None:
     """The config file ``path`` names: the file itself when it exists, else a preset of
     the ``configs`` package by name (``synthetic``, ``lra/listops``, ``configs/synthetic.py``),
@@ -125,33 +121,100 @@ def resolve_config_path(path: str) -> str | None:
     return None
 
 
+class _SpecError(Exception):
+    """A ``--config`` value that names no config, or whose ``get_config`` fails, as one
+    line. Not a ValueError: absl would wrap one in its own message."""
+
+
+class _PresetFileParser(flags.ArgumentParser):
+    """config_flags' parser of ``--config=<file>[:<preset>]`` (``inner``), with what is
+    ours around it: the file found by name in the ``configs`` package when it is not a
+    path (``resolve_config_path``), one-line errors, and the configured mechanism's
+    options that the command line sets but the preset leaves out, added at their
+    defaults before config_flags applies the overrides (it can override only fields
+    that exist). config_flags has no hook between loading and overriding, hence this
+    wrapper on its flag's parser."""
+
+    def __init__(self, inner: Any, argv: Sequence[str]) -> None:
+        self._inner = inner
+        self._argv = list(argv)
+        self.loaded: Any = None  # the config before the overrides, for error messages
+
+    def flag_type(self) -> str:
+        return str(self._inner.flag_type())
+
+    def parse(self, spec: str) -> Any:
+        given, colon, preset = str(spec).partition(":")
+        path = resolve_config_path(given)
+        if path is None:
+            raise _SpecError(
+                f"--config={spec}: no such file {given!r}, and no preset of that name in the "
+                "configs package (e.g. synthetic, lra/listops, glue/pretrain)"
+            )
+        try:
+            config = self._inner.parse(path + colon + preset)
+        except (ValueError, TypeError, KeyError) as e:
+            # config_flags re-raises get_config's ValueError / TypeError with the
+            # traceback as its message; the user's line is the original one.
+            original = e.__context__ if "Error whilst parsing" in str(e) else e
+            raise _SpecError(f"--config={spec}: {original}") from None
+        except AttributeError as e:
+            if "get_config" not in str(e):
+                raise _SpecError(f"--config={spec}: AttributeError: {_last_line(str(e))}") from None
+            raise _SpecError(f"--config={spec}: {path!r} has no get_config()") from None
+        except Exception as e:
+            if type(e).__name__ == "PresetListing":  # --list_presets: the caller's answer
+                raise
+            raise _SpecError(f"--config={spec}: {type(e).__name__}: {_last_line(str(e))}") from None
+        if not isinstance(config, ml_collections.ConfigDict):
+            raise _SpecError(
+                f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict"
+            )
+        _add_attention_options(config, self._argv)
+        self.loaded = config
+        return config
+
+
+def _define_config(fv: Any, argv: Sequence[str], lock_config: bool = True) -> None:
+    """``--config`` on ``fv``: ``config_flags.DEFINE_config_file`` with our parser."""
+    config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "The config: path.py[:preset], or a preset's name (synthetic:quick).",
+        flag_values=fv,
+        lock_config=lock_config,
+        sys_argv=list(argv),
+    )
+    fv["config"].parser = _PresetFileParser(fv["config"].parser, argv)
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-    """``get_config(preset)`` of the config file ``spec`` = ``path.py[:preset]``.
+    """``get_config(preset)`` of the config ``spec`` = ``path.py[:preset]`` (or a preset's
+    name), through config_flags, unlocked.
 
     Raises:
       ConfigError naming ``--config`` for a missing file, a file without ``get_config``
       or a preset its ``get_config`` rejects.
     """
-    given, arg = _split_spec(spec)
-    path = resolve_config_path(given)
-    if path is None:
-        raise ConfigError(
-            f"--config={spec}: no such file {given!r}, and no preset of that name in the "
-            "configs package (e.g. synthetic, lra/listops, glue/pretrain)"
-        )
-    name = "sbm_config_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"--config={spec}: {path!r} is not a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    get_config = getattr(module, "get_config", None)
-    if get_config is None:
-        raise ConfigError(f"--config={spec}: {path!r} has no get_config()")
+    fv = flags.FlagValues()
+    argv = ["load_config_file", f"--config={spec}"]
+    _define_config(fv, argv, lock_config=False)
     try:
-        return get_config(arg) if arg is not None else get_config()
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"--config={spec}: {e}") from None
+        fv(argv)
+    except _SpecError as e:
+        raise ConfigError(str(e)) from None
+    return fv["config"].value
+
+
+def config_spec(argv: Sequence[str]) -> str | None:
+    """The ``--config`` value of ``argv`` as given (absl, every other flag ignored)."""
+    fv = flags.FlagValues()
+    flags.DEFINE_string("config", None, "", flag_values=fv)
+    try:
+        fv(list(argv), known_only=True)
+    except flags.Error:
+        return None
+    return fv.config
 
 
 def list_presets(spec: str) -> str:
@@ -162,7 +225,7 @@ def list_presets(spec: str) -> str:
       ConfigError: naming ``--config`` for a missing file or one that does not parse
         its preset with ``parse_preset``.
     """
-    given, _ = _split_spec(spec)
+    given = spec.partition(":")[0]
     path = resolve_config_path(given)
     if path is None:
         raise ConfigError(f"--config={spec}: no such file {given!r}")
@@ -255,7 +318,8 @@ def _last_line(text: str) -> str:
 
 
 def describe_flag_error(error: BaseException, argv: Sequence[str], config: Any, fv: Any) -> str:
-    """One line for a failure to parse ``argv``."""
+    """One line for a failure to parse ``argv`` (an unknown field is named with its
+    closest match, an unknown flag with the nearest flag)."""
     if isinstance(error, (AttributeError, KeyError)) and config is not None:
         for path, _ in _overrides(argv):
             missing = _missing_field(config, path)
@@ -277,23 +341,15 @@ def describe_flag_error(error: BaseException, argv: Sequence[str], config: Any, 
     return _last_line(str(error))
 
 
-def _print_help(prog: str, fv: Any, stream: TextIO) -> None:
+def _print_help(prog: str, aliases: Mapping[str, str], stream: TextIO) -> None:
+    fv = flags.FlagValues()
+    _define_flags(fv, [prog], aliases)
     stream.write(HELP.format(prog=prog) + "\nAll flags:\n")
     stream.write(fv.get_help(include_special_flags=False) + "\n")
 
 
-def _define_flags(fv: Any, config: Any, argv: Sequence[str]) -> None:
-    if config is not None:
-        config_flags.DEFINE_config_dict(
-            "config",
-            config,
-            "The config (--config=path.py:preset).",
-            flag_values=fv,
-            lock_config=True,
-            sys_argv=list(argv),
-        )
-    else:
-        flags.DEFINE_string("config", None, "Config file (path.py:preset).", flag_values=fv)
+def _define_flags(fv: Any, argv: Sequence[str], aliases: Mapping[str, str]) -> None:
+    _define_config(fv, argv)
     flags.DEFINE_string(
         "output_dir",
         None,
@@ -303,58 +359,21 @@ def _define_flags(fv: Any, config: Any, argv: Sequence[str]) -> None:
     )
     # The flax examples' and big_vision's name for it.
     flags.DEFINE_alias("workdir", "output_dir", flag_values=fv)
-    flags.DEFINE_bool(
-        "list_presets", False, "List the presets the --config file accepts, exit.", flag_values=fv
-    )
-    flags.DEFINE_bool(
-        "print_config", False, "Print the resolved config, check it, exit.", flag_values=fv
-    )
-    flags.DEFINE_bool(
-        "dry_run",
-        False,
-        "Check the config and the run directory, say what would run, exit.",
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
-        "coordinator_address",
-        None,
-        "Multi-process: host:port of process 0 (or SBM_COORDINATOR).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "num_processes",
-        None,
-        "Multi-process: number of processes (or SBM_NUM_PROCESSES).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "process_id", None, "Multi-process: this process's id (or SBM_PROCESS_ID).", flag_values=fv
-    )
-
-
-def _config_spec(argv: Sequence[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        for prefix in ("--config=", "-config="):
-            if arg.startswith(prefix):
-                return arg[len(prefix) :]
-        if arg in ("--config", "-config") and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-def _without_config_spec(argv: Sequence[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg.startswith(("--config=", "-config=")):
-            continue
-        if arg in ("--config", "-config"):
-            skip = True
-            continue
-        out.append(arg)
-    return out
+    for name, what in (
+        ("list_presets", "List the presets the --config file accepts, exit."),
+        ("print_config", "Print the resolved config, check it, exit."),
+        ("dry_run", "Check the config and the run directory, say what would run, exit."),
+    ):
+        flags.DEFINE_bool(name, False, what, flag_values=fv)
+    for name, what in (
+        ("coordinator_address", "Multi-process: host:port of process 0 (or SBM_COORDINATOR)."),
+        ("num_processes", "Multi-process: number of processes (or SBM_NUM_PROCESSES)."),
+        ("process_id", "Multi-process: this process's id (or SBM_PROCESS_ID)."),
+    ):
+        define = flags.DEFINE_string if name == "coordinator_address" else flags.DEFINE_integer
+        define(name, None, what, flag_values=fv)  # type: ignore[operator]
+    for flag, field in aliases.items():  # an alias command's own flags (glue.pretrain)
+        flags.DEFINE_string(flag, None, f"Sets config.{field}.", flag_values=fv)
 
 
 def console_main() -> None:
@@ -375,110 +394,6 @@ def unavailable_task_note(config: Any, skipped: Mapping[str, str]) -> str | None
     return (
         f"task.name={name!r} is not a known task; the task modules {reasons} could not "
         "be imported: install what they need to train their tasks"
-    )
-
-
-#: Query-key pairs per step (batch x heads x layers x length^2) above which a run has
-#: its train step compiled on abstract state before any work, to refuse one that cannot
-#: fit in memory (``--dry_run`` always does it): far above any test or CPU preset.
-LARGE_STEP_PAIRS = 2**34
-
-
-def _length(config: Any) -> tuple[str, int]:
-    """The field that sets the sequence length, and the longest input length."""
-    task, model = config.get("task") or {}, config.model
-    for name in ("seq_len", "max_length", "max_seq_length"):
-        value = task.get(name) if hasattr(task, "get") else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return f"task.{name}", int(model.get("max_len") or value)
-    return "model.max_len", int(model.get("max_len") or 0)
-
-
-def attention_pairs(config: Any) -> int:
-    """Query-key pairs one training step scores: batch x heads x layers x length^2."""
-    model = config.model
-    _, length = _length(config)
-    return (
-        int(config.train.batch_size)
-        * int(model.get("num_heads") or 1)
-        * int(model.get("num_layers") or 1)
-        * length
-        * length
-    )
-
-
-def step_estimate(config: Any) -> dict[str, float] | str:
-    """XLA's memory / FLOPs estimate of the compiled train step, or why there is none
-    (the data is not prepared yet, the task cannot be built without writing)."""
-    from sbm_jax.tasks import build_task
-    from sbm_jax.training.task import may_prepare_data
-    from sbm_jax.training.trainer import compiled_step_estimate
-
-    token = may_prepare_data.set(False)
-    try:
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            task = build_task(copy.deepcopy(config))
-            return compiled_step_estimate(copy.deepcopy(config), task)
-    except (FileNotFoundError, ValueError, ImportError, OSError) as e:
-        return f"the task cannot be built without preparing its data: {_last_line(str(e))}"
-    finally:
-        may_prepare_data.reset(token)
-
-
-def host_memory() -> float:
-    """This host's physical memory in bytes; 0 when unknown."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB"
-
-
-def describe_estimate(estimate: Mapping[str, float]) -> str:
-    """``"0.1 GiB per device (of 24 GiB), 3.2 GFLOPs per step (XLA's estimates)"``."""
-    device = estimate.get("device_bytes") or 0
-    of = f" (of {_gib(device)})" if device else ""
-    flops = estimate.get("flops") or 0
-    work = f", {flops / 1e9:.3g} GFLOPs per step" if flops else ""
-    # XLA counts a loop's body once: the streamed attention's FLOPs are a lower bound.
-    return (
-        f"{_gib(estimate['memory_bytes'])} per device{of}{work} (XLA's estimates; FLOPs "
-        "inside loops counted once)"
-    )
-
-
-#: Bytes per token of a host batch, at least: int32 ids and a bool mask.
-HOST_BYTES_PER_TOKEN = 5
-
-
-def host_batch_error(config: Any, host_bytes: float) -> str | None:
-    """One line when a single host batch (ids and mask alone) cannot fit in the host's
-    memory: the step estimate builds one such batch, so it is checked first."""
-    field, length = _length(config)
-    need = int(config.train.batch_size) * length * HOST_BYTES_PER_TOKEN
-    if not host_bytes or need <= host_bytes:
-        return None
-    return (
-        f"config.train.batch_size={config.train.batch_size} with config.{field}={length}: one "
-        f"host batch needs at least {_gib(need)} (ids and mask), more than this host's "
-        f"{_gib(host_bytes)}; lower the batch"
-    )
-
-
-def size_error(config: Any, estimate: Mapping[str, float]) -> str | None:
-    """One line when the compiled step needs more memory than the device has."""
-    need, have = estimate["memory_bytes"], estimate.get("device_bytes") or 0
-    if not have or need <= have:
-        return None
-    field, length = _length(config)
-    return (
-        f"config.{field}={length} with config.train.batch_size={config.train.batch_size}: one "
-        f"training step needs about {_gib(need)} per device (XLA's estimate of the compiled "
-        f"step), more than the {_gib(have)} this machine's device has; shorten the sequence, "
-        "lower the batch (or set train.max_per_device_batch), or use model.remat=True"
     )
 
 
@@ -505,51 +420,86 @@ def check_config(config: Any) -> list[str]:
 
 
 def parse_config(
-    argv: Sequence[str],
-    fv: Any | None = None,
-    define_extra: Callable[[Any], None] | None = None,
+    argv: Sequence[str], fv: Any | None = None, aliases: Mapping[str, str] | None = None
 ) -> ml_collections.ConfigDict:
     """The config ``argv`` (the trainer's command line, program name first) asks for:
-    the ``--config`` file and preset with its ``--config.<field>`` overrides, parsed into
-    ``fv`` (fresh flag values by default). Task modules must be imported first for
-    their fields' checks. Every user error raises ``ConfigError`` with the one line
-    ``main`` prints."""
+    the ``--config`` file and preset with its ``--config.<field>`` overrides, parsed by
+    config_flags into ``fv`` (fresh flag values by default), then the ``aliases``
+    (``{flag: "section.field"}``) set. Task modules must be imported first for their
+    fields' checks. Every user error raises ``ConfigError`` with the one line ``main``
+    prints."""
     fv = flags.FlagValues() if fv is None else fv
-    spec = _config_spec(argv)
-    if not spec:
+    aliases = dict(aliases or {})
+    if not config_spec(argv):
         raise ConfigError(
             "--config is required, e.g. --config=configs/synthetic.py:quick (see --help)"
         )
     try:
-        config = load_config_file(spec)
-    except ConfigError:
-        raise
-    except Exception as e:  # the config file itself raised
-        raise ConfigError(f"--config={spec}: {type(e).__name__}: {_last_line(str(e))}") from None
-    if not isinstance(config, ml_collections.ConfigDict):
-        raise ConfigError(
-            f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict"
-        )
-    _add_attention_options(config, argv)
-    parse_argv = _without_config_spec(argv)
-    try:
-        # Defining the config flag already applies the --config.<field> overrides.
-        _define_flags(fv, config, parse_argv)
-        if define_extra is not None:
-            define_extra(fv)
-        rest = fv(parse_argv)
+        _define_flags(fv, argv, aliases)
+        rest = fv(list(argv))
+    except _SpecError as e:
+        raise ConfigError(str(e)) from None
     except Exception as e:
-        raise ConfigError(describe_flag_error(e, parse_argv, config, fv)) from None
+        loaded = getattr(fv["config"].parser, "loaded", None) if "config" in fv else None
+        raise ConfigError(describe_flag_error(e, argv, loaded, fv)) from None
     if len(rest) > 1:
         raise ConfigError(f"unexpected arguments {rest[1:]} (see --help)")
-    return fv["config"].value
+    config: Any = fv["config"].value
+    for flag, field in aliases.items():
+        if fv[flag].value is not None:
+            try:
+                config.update_from_flattened_dict({field: fv[flag].value})
+            except (KeyError, AttributeError, TypeError, ValueError) as e:
+                raise ConfigError(f"--{flag}: config.{field}: {_last_line(str(e))}") from None
+    return config
+
+
+def _start_processes(fv: Any) -> None:
+    """Connect the processes of a multi-process job (``distributed.py``)."""
+    from sbm_jax.training.distributed import DistributedConfigError, maybe_initialize_distributed
+
+    try:
+        maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
+    except DistributedConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_step_size(config: Any, dry_run: bool) -> dict[str, float] | str:
+    """The compiled step's size, always with ``--dry_run`` and before a large run does
+    any work: one that cannot fit the device is refused here, not after minutes of
+    compile. Returns the estimate, or why there is none."""
+    if not dry_run and step_size.attention_pairs(config) <= step_size.LARGE_STEP_PAIRS:
+        return "not asked"
+    too_big = step_size.host_batch_error(config, step_size.host_memory())
+    if too_big is not None:
+        raise ConfigError(too_big)
+    estimate = step_size.step_estimate(config)
+    if not isinstance(estimate, str):
+        too_big = step_size.size_error(config, estimate)
+        if too_big is not None:
+            raise ConfigError(too_big)
+    return estimate
+
+
+def _say_step_size(
+    config: Any, estimate: dict[str, float] | str, dry_run: bool, out: TextIO
+) -> None:
+    if dry_run and isinstance(estimate, str):
+        out.write(f"compiled train step: no estimate ({estimate})\n")
+    elif not isinstance(estimate, str):
+        out.write(
+            f"{'compiled train step' if dry_run else 'note: one train step'}: "
+            f"{step_size.describe_estimate(estimate)}; attention scores "
+            f"{step_size.attention_pairs(config):.3g} query-key pairs per step (batch x heads "
+            "x layers x length^2)\n"
+        )
+    out.flush()
 
 
 def main(
     argv: Sequence[str],
     task_modules: Sequence[str] = (),
-    adjust: Callable[[Any, Any], None] | None = None,
-    define_extra: Callable[[Any], None] | None = None,
+    aliases: Mapping[str, str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
@@ -560,150 +510,127 @@ def main(
       task_modules: modules to import so that their tasks register (e.g. "lra.train_task");
         one that needs a package that is not installed is skipped, and only its tasks
         are unavailable (``import_task_modules``).
-      adjust: ``(config, flag values) -> None`` applied after parsing (for aliases that
-        map their own flags onto config fields).
-      define_extra: ``flag values -> None`` defining those aliases' extra flags.
+      aliases: ``{flag: "section.field"}``, flags of an alias command that set a config
+        field (``glue.pretrain``'s ``--corpus``: ``data.corpus``).
       stdout, stderr: where the summary line and errors go (default sys's).
     """
-    out = stdout or sys.stdout
-    err = stderr or sys.stderr
-    prog = os.path.basename(argv[0]) if argv else "train.py"
-
-    def fail(message: str, status: int = USAGE_EXIT) -> int:
-        err.write(f"error: {' '.join(str(message).split())}\n")
-        err.flush()
-        return status
-
-    argv = list(argv)
-    fv = flags.FlagValues()
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    argv, aliases = list(argv), dict(aliases or {})
+    fail = functools.partial(_fail, err)
     if any(a in ("--help", "-h", "--helpfull", "-help") for a in argv[1:]):
-        _define_flags(fv, None, argv)
-        if define_extra is not None:
-            define_extra(fv)
-        _print_help(prog, fv, out)
+        _print_help(os.path.basename(argv[0]) if argv else "train.py", aliases, out)
         return 0
     skipped = import_task_modules(task_modules)
-    if "--list_presets" in argv[1:]:
-        spec = _config_spec(argv)
-        if not spec:
-            return fail("--list_presets needs --config=CONFIG.py (e.g. configs/synthetic.py)")
-        try:
+    fv = flags.FlagValues()
+    try:
+        if "--list_presets" in argv[1:]:
+            spec = config_spec(argv)
+            if not spec:
+                raise ConfigError(
+                    "--list_presets needs --config=CONFIG.py (e.g. configs/synthetic.py)"
+                )
             out.write(list_presets(spec))
-        except ConfigError as e:
-            return fail(str(e))
-        return 0
-    try:
-        config = parse_config(argv, fv, define_extra)
+            return 0
+        config = parse_config(argv, fv, aliases)
+        _start_processes(fv)
+        errors = check_config(config)
+        note = unavailable_task_note(config, skipped)
+        if note is not None:
+            errors = [note] + [e for e in errors if not e.startswith("task.name=")]
+        if errors:  # alone: after a screen of config, the line would scroll out of sight
+            raise ConfigError(one_line(errors, config))
     except ConfigError as e:
-        return fail(str(e))
-    if adjust is not None:
-        try:
-            adjust(config, fv)
-        except (ConfigError, ValueError) as e:
-            return fail(str(e))
-
-    from sbm_jax.training.distributed import DistributedConfigError, maybe_initialize_distributed
-
-    try:
-        maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
-    except DistributedConfigError as e:
         return fail(str(e))
     import jax
 
     primary = jax.process_index() == 0
-    errors = check_config(config)
-    note = unavailable_task_note(config, skipped)
-    if note is not None:
-        errors = [note] + [e for e in errors if not e.startswith("task.name=")]
-    if errors:  # alone: after a screen of config, the line would scroll out of sight
-        return fail(one_line(errors, config))
-    if fv.print_config and primary:
-        out.write(str(config))
-        out.flush()
     if fv.print_config:
+        if primary:
+            out.write(str(config))
+            out.flush()
         return 0
-
-    from sbm_jax.tasks import build_task
-    from sbm_jax.training.checkpoints import CheckpointError
-    from sbm_jax.training.nonfinite import NonFiniteError
-    from sbm_jax.training.run_dir import check_resume, resolve_output_dir
-    from sbm_jax.training.summary import format_run_summary
-    from sbm_jax.training.trainer import train_and_evaluate
-
-    def config_error(e: ConfigError) -> str:
-        # Messages about the run folder start "output_dir=": name what the user set.
-        if fv.output_dir and str(e).startswith("output_dir="):
-            return "--" + " ".join(str(e).split())
-        return one_line([str(e)], config)
-
     try:
-        output_dir = resolve_output_dir(config, fv.output_dir)
-        resuming = check_resume(output_dir, config)
+        folder = check_run_folder(config, fv.output_dir)
+        estimate = _check_step_size(config, fv.dry_run)
     except ConfigError as e:
-        return fail(config_error(e))
-    # The compiled step's size: always with --dry_run, and before a large run does any
-    # work (one that cannot fit the device is refused here, not after minutes of compile).
-    large = attention_pairs(config) > LARGE_STEP_PAIRS
-    estimate: dict[str, float] | str = "not asked"
-    if fv.dry_run or large:
-        too_big = host_batch_error(config, host_memory())
-        if too_big is not None:
-            return fail(too_big)
-        estimate = step_estimate(config)
-        if not isinstance(estimate, str):
-            too_big = size_error(config, estimate)
-            if too_big is not None:
-                return fail(too_big)
+        return fail(_folder_error(e, config, fv.output_dir))
     if fv.dry_run and primary:  # after every check: an error comes alone
         out.write(str(config))
-        if isinstance(estimate, str):
-            out.write(f"compiled train step: no estimate ({estimate})\n")
-    if (fv.dry_run or large) and primary and not isinstance(estimate, str):
-        out.write(
-            f"{'compiled train step' if fv.dry_run else 'note: one train step'}: "
-            f"{describe_estimate(estimate)}; attention scores {attention_pairs(config):.3g} "
-            "query-key pairs per step (batch x heads x layers x length^2)\n"
-        )
-        out.flush()
+    if primary:
+        _say_step_size(config, estimate, fv.dry_run, out)
     if fv.dry_run:
-        what = "resume the run in" if resuming else "train a new run in"
-        out.write(f"config OK; would {what} {output_dir}\n")
+        what = "resume the run in" if folder.resuming else "train a new run in"
+        out.write(f"config OK; would {what} {folder.path}\n")
         return 0
+    return _train(config, folder, fv.output_dir, out, err, redirect=stdout is not None)
+
+
+def _fail(err: TextIO, message: str, status: int = USAGE_EXIT) -> int:
+    err.write(f"error: {' '.join(str(message).split())}\n")
+    err.flush()
+    return status
+
+
+def _folder_error(e: ConfigError, config: Any, output_dir_flag: str | None) -> str:
+    # Messages about the run folder start "output_dir=": name what the user set.
+    if output_dir_flag and str(e).startswith("output_dir="):
+        return "--" + " ".join(str(e).split())
+    return one_line([str(e)], config)
+
+
+def _train(
+    config: Any,
+    folder: RunFolder,
+    output_dir_flag: str | None,
+    out: TextIO,
+    err: TextIO,
+    redirect: bool,
+) -> int:
+    """Build the task (data is read or generated only now) and train into ``folder``;
+    every way a run ends as its exit status (see the module docstring)."""
+    from sbm_jax.tasks import build_task
+    from sbm_jax.training import trainer
+    from sbm_jax.training.checkpoints import CheckpointError
+    from sbm_jax.training.errors import NoSpaceError, is_no_space
+    from sbm_jax.training.nonfinite import NonFiniteError
+    from sbm_jax.training.summary import format_summary
+
     given = copy.deepcopy(config)
     # The run's own lines (the tasks' notes, "resuming from step N", warnings) go to
     # ``stdout`` like the summary line.
-    redirect = contextlib.redirect_stdout(out) if stdout is not None else contextlib.nullcontext()
+    quiet = contextlib.redirect_stdout(out) if redirect else contextlib.nullcontext()
     try:
-        with redirect:
+        with quiet:
             try:
-                task = build_task(config, output_dir=output_dir)
+                task = build_task(config, output_dir=folder.path)
             except (ValueError, FileNotFoundError) as e:
-                return fail(one_line([str(e)], config))
-            summary = train_and_evaluate(config, task, output_dir=output_dir, run_config=given)
+                return _fail(err, one_line([str(e)], config))
+            summary = trainer.train_and_evaluate(config, task, output_dir=folder, run_config=given)
     except ConfigError as e:
-        return fail(config_error(e))
+        return _fail(err, _folder_error(e, config, output_dir_flag))
     except CheckpointError as e:
-        return fail(str(e))
+        return _fail(err, str(e))
     except NonFiniteError as e:
-        return fail(str(e), NONFINITE_EXIT)
+        return _fail(err, str(e), NONFINITE_EXIT)
     except KeyboardInterrupt:
         err.write("interrupted\n")
         return INTERRUPTED_EXIT
     except Exception as e:
-        from sbm_jax.training.errors import NoSpaceError, is_no_space
-
         if isinstance(e, NoSpaceError):
-            return fail(f"{e}; free space and run the same command to resume", NO_SPACE_EXIT)
+            return _fail(err, f"{e}; free space and run the same command to resume", NO_SPACE_EXIT)
         if is_no_space(e):
-            return fail(
-                f"no space left on the device holding {output_dir} (writing the run's "
+            return _fail(
+                err,
+                f"no space left on the device holding {folder.path} (writing the run's "
                 "records; they end at the last whole line); free space and run the same "
                 "command to resume",
                 NO_SPACE_EXIT,
             )
         raise
-    if primary:
-        out.write(format_run_summary(summary) + "\n")
+    import jax
+
+    if jax.process_index() == 0:
+        out.write(format_summary(summary) + "\n")
         out.flush()
     return STOPPED_EXIT if "stopped_at" in summary else 0
 

@@ -17,7 +17,9 @@ Decisions:
   (the batch axis is split evenly over it).
 * Attention options are checked by the mechanism itself where it has a ``validate()``
   (SBM: ``delta``, ``edge_law``, ``impl``, ``capacity_buckets`` ...), and otherwise by
-  type against the option's default.
+  type against the option's default; a check that needs the run's batch sizes hangs on
+  the mechanism's registry entry (``config_check``; SBM's in
+  ``sbm_jax/attention/sbm_checks.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any
 
 from sbm_jax.attention import get_attention
 from sbm_jax.attention.registry import get_mechanism
+from sbm_jax.config_defaults import DEFAULTS, field
 from sbm_jax.models import HEAD_KINDS, POOLING_MODES, model_dtype
+from sbm_jax.models.build import ENCODER_DEFAULTS
 from sbm_jax.models.encoder import POSITION_EMBEDDINGS, QUERY_KEY_INITS
 from sbm_jax.training.errors import ConfigError
 from sbm_jax.training.state import WEIGHT_DECAY_MASKS
@@ -274,14 +278,13 @@ def check_model(model: Any, errors: list[str]) -> None:
                 f"model.head_dim={head_dim} times model.num_heads={heads} is {heads * head_dim}, "
                 f"but must equal model.emb_dim={emb_dim}"
             )
-    for name in ("remat", "scaled_residual_init"):  # optional flags, default False
-        _flag(errors, model, "model", name, False)
-    _flag(errors, model, "model", "final_norm", True)
-    for name, default, choices in (
-        ("query_key_init", "independent", QUERY_KEY_INITS),
-        ("position_embedding", "learned", POSITION_EMBEDDINGS),
+    for name in ("remat", "scaled_residual_init", "final_norm"):  # optional flags
+        _flag(errors, model, "model", name, ENCODER_DEFAULTS[name])
+    for name, choices in (
+        ("query_key_init", QUERY_KEY_INITS),
+        ("position_embedding", POSITION_EMBEDDINGS),
     ):
-        if model.get(name, default) not in choices:
+        if model.get(name, ENCODER_DEFAULTS[name]) not in choices:
             errors.append(f"model.{name}={model.get(name)!r} must be one of {choices}")
     if not tsa_classifier and model.get("pooling") not in POOLING_MODES:
         errors.append(f"model.pooling={model.get('pooling')!r} must be one of {POOLING_MODES}")
@@ -324,7 +327,7 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     lr = train.get("learning_rate")
     if not isinstance(lr, (int, float)) or lr <= 0:
         errors.append(f"train.learning_rate={lr!r} must be a positive number")
-    eps = train.get("eps", 1e-8)  # Adam's denominator term: 0 divides by zero at a flat start
+    eps = train.get("eps", DEFAULTS["train.eps"])  # 0 divides by zero at a flat start
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         errors.append(f"train.eps={eps!r} must be a positive number")
     warmup, steps = train.get("warmup_steps"), train.get("num_steps")
@@ -342,7 +345,7 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
         value = train.get(name)
         if not isinstance(value, (int, float)) or value < 0:
             errors.append(f"train.{name}={value!r} must be a non-negative number")
-    mask = train.get("weight_decay_mask", "all")
+    mask = train.get("weight_decay_mask", DEFAULTS["train.weight_decay_mask"])
     if mask not in WEIGHT_DECAY_MASKS:
         errors.append(
             f"train.weight_decay_mask={mask!r} must be one of {WEIGHT_DECAY_MASKS} "
@@ -357,10 +360,10 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
     for name in ("b1", "b2"):
         _rate(errors, train, "train", name)
     for name in ("eval_every", "max_per_device_batch"):
-        value = train.get(name, 0)
+        value = train.get(name, DEFAULTS[f"train.{name}"])
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             errors.append(f"train.{name}={value!r} must be a non-negative integer")
-    _flag(errors, train, "train", "halt_on_nonfinite", True)
+    _flag(errors, train, "train", "halt_on_nonfinite", DEFAULTS["train.halt_on_nonfinite"])
     if "num_epochs" in train:
         epochs = train.get("num_epochs")
         if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or epochs < 0:
@@ -371,14 +374,14 @@ def check_train(train: Any, device_count: int, errors: list[str]) -> None:
 
 def check_checkpoint(checkpoint: Any, errors: list[str]) -> None:
     """Append a message per bad ``checkpoint.*`` field (all optional) to ``errors``."""
-    for name, default in (("every_steps", 1000), ("max_to_keep", 2)):
-        value = checkpoint.get(name, default)
+    for name in ("every_steps", "max_to_keep"):
+        value = checkpoint.get(name, DEFAULTS[f"checkpoint.{name}"])
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             errors.append(f"checkpoint.{name}={value!r} must be an integer >= 1")
-    mode = checkpoint.get("best_mode", "max")
+    mode = checkpoint.get("best_mode", DEFAULTS["checkpoint.best_mode"])
     if mode not in ("max", "min"):
         errors.append(f"checkpoint.best_mode={mode!r} must be 'max' or 'min'")
-    metric = checkpoint.get("best_metric", "accuracy")
+    metric = checkpoint.get("best_metric", DEFAULTS["checkpoint.best_metric"])
     if not isinstance(metric, str) or not metric:
         errors.append(f"checkpoint.best_metric={metric!r} must name a dev metric")
     elif metric.endswith("loss") and mode == "max":
@@ -391,7 +394,7 @@ def check_checkpoint(checkpoint: Any, errors: list[str]) -> None:
 
 def check_mesh(mesh: Any, model: Any, errors: list[str]) -> None:
     """Append a message per bad ``mesh.*`` field (devices are checked at start-up)."""
-    data, heads = mesh.get("data", -1), mesh.get("heads", 1)
+    data, heads = mesh.get("data", DEFAULTS["mesh.data"]), mesh.get("heads", DEFAULTS["mesh.heads"])
     for name, value in (("data", data), ("heads", heads)):
         if not isinstance(value, int) or isinstance(value, bool):
             errors.append(f"mesh.{name}={value!r} must be an integer")
@@ -408,18 +411,19 @@ def check_mesh(mesh: Any, model: Any, errors: list[str]) -> None:
         )
 
 
-def _sbm_batches(config: Any, device_count: int) -> list[tuple[str, int]]:
-    """``(what, rows)`` of every batch an SBM layer is traced with: the training
-    micro-batch (``train.batch_size`` over its accumulation passes) and the evaluation
-    batch where the config names one (``task.eval_batch_size`` / ``train.eval_batch_size``,
-    0: the training batch). Under ``jit`` the layer sees the global batch."""
+def _traced_batches(config: Any, device_count: int) -> list[tuple[str, int]]:
+    """``(what, rows)`` of every batch the attention layers are traced with: the
+    training micro-batch (``train.batch_size`` over its accumulation passes) and the
+    evaluation batch where the config names one (``task.eval_batch_size`` /
+    ``train.eval_batch_size``, 0: the training batch). Under ``jit`` a layer sees the
+    global batch."""
     from sbm_jax.training.host_data import accumulation_steps
 
     train, task = config.train, config.get("task") or {}
     batch = train.get("batch_size")
     if not isinstance(batch, int) or batch < 1 or batch % device_count:
         return []  # reported by check_train
-    maximum = train.get("max_per_device_batch", 0)
+    maximum = train.get("max_per_device_batch", DEFAULTS["train.max_per_device_batch"])
     accum = accumulation_steps(batch, device_count, maximum if isinstance(maximum, int) else 0)
     batches = [("the training micro-batch" if accum > 1 else "the training batch", batch // accum)]
     for section, name in ((task, "task"), (train, "train")):
@@ -429,26 +433,28 @@ def _sbm_batches(config: Any, device_count: int) -> list[tuple[str, int]]:
     return batches
 
 
-def check_sbm_paths(config: Any, device_count: int, errors: list[str]) -> None:
-    """With ``model.attention="sbm"``: refuse, before anything is built or compiled,
-    attention options under which no attention path fits a batch the run will trace
-    (:func:`sbm_jax.attention.sbm.plan_paths`' error, naming the fields and the sizes
-    they would need), instead of a traceback at the first step or mid-run at the first
-    evaluation."""
+def check_mechanism(config: Any, device_count: int, errors: list[str]) -> None:
+    """The configured mechanism's own check of the run (its registry entry's
+    ``config_check``, e.g. SBM's: a path must fit every batch the run traces), on the
+    attention module as the encoder builds it. Only for the encoder architecture."""
     model = config.model
-    if model.get("attention") != "sbm" or model.get("architecture", "encoder") != "encoder":
+    if model.get("architecture", "encoder") != "encoder":
         return
-    from sbm_jax.attention.sbm import SBMAttention
-
-    options = _as_fields(_given_options(model))
-    module = SBMAttention(num_heads=model.num_heads, head_dim=model.head_dim, **options)
+    entry = get_mechanism(str(model.get("attention")))
+    if entry.config_check is None:
+        return
+    module = entry.module(
+        num_heads=model.num_heads,
+        head_dim=model.head_dim,
+        out_dim=model.get("emb_dim"),
+        attention_dropout=model.get("attention_dropout", 0.0),
+        **_compute_dtype(model),
+        **_as_fields(_given_options(model)),
+    )
     length = _longest_attention_input(model)
-    for what, rows in _sbm_batches(config, device_count):
-        try:
-            module.paths_for(rows, length)  # type: ignore[arg-type]
-        except ValueError as e:
-            errors.append(f"model.attention_options for {what} of {rows} x {length}: {e}")
-            return
+    if length is None:
+        return  # reported by check_model
+    errors.extend(entry.config_check(module, _traced_batches(config, device_count), length))
 
 
 def nonfinite_fields(config: Any, prefix: str = "") -> list[str]:
@@ -501,8 +507,7 @@ def config_errors(
     if device_count is None:
         import jax
 
-        mesh = config.get("mesh") or {}
-        data, heads = mesh.get("data", -1), mesh.get("heads", 1)
+        data, heads = field(config, "mesh.data"), field(config, "mesh.heads")
         if isinstance(data, int) and data >= 1:
             device_count = data
         elif isinstance(heads, int) and heads >= 1 and jax.device_count() % heads == 0:
@@ -515,9 +520,9 @@ def config_errors(
     check_mesh(config.get("mesh") or {}, config.model, errors)
     nonfinite = nonfinite_fields(config)
     if not errors and not nonfinite:  # the sizes below assume the fields checked above
-        check_sbm_paths(config, device_count, errors)
+        check_mechanism(config, device_count, errors)
     for name in ("output_dir", "init_from"):
-        value = config.get(name, "")
+        value = field(config, name) if name == "init_from" else config.get(name, "")
         if not isinstance(value, str):
             errors.append(f"{name}={value!r} must be a path (a string)")
     return without_repeats(nonfinite, errors)

@@ -1,5 +1,7 @@
 """Host loops over an evaluation split: metrics (``evaluate_split``) and predictions
-(``predict_split``), each batch put on the mesh and run through a jitted step."""
+(``predict_split``), each batch put on the mesh and run through a jitted step; and the
+end of a run, ``evaluate_at_best``: the test splits and predictions at the best dev
+checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from sbm_jax.training.checkpoints import RunCheckpoints, short_error
+from sbm_jax.training.context import RunContext
 from sbm_jax.training.host_data import put_global
 from sbm_jax.training.sharding import data_axis_size
 from sbm_jax.training.state import TrainState
@@ -48,7 +52,7 @@ def evaluate_split(
     """Loss, accuracy, density, overflow (and task metrics) of one split.
 
     Args:
-      eval_step: ``make_detailed_eval_step``'s step.
+      eval_step: ``make_eval_step``'s step.
       state, batches, mesh: what to evaluate, on which mesh.
       rng: batch ``i`` samples with ``fold_in(rng, i)``.
       eval_metrics: ``confusion -> metrics`` (``Task.eval_metrics``), when the step
@@ -125,3 +129,55 @@ def predict_split(
     if not indices:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.concatenate(indices), np.concatenate(predictions)
+
+
+def evaluate_at_best(
+    run: RunContext,
+    checkpoints: RunCheckpoints,
+    state: TrainState,
+    restore_into: tuple[TrainState, Any],
+    steps: tuple[Any, Any, Any],
+    rng: Array,
+) -> tuple[int, dict[str, dict[str, Any]], dict[str, str]]:
+    """The test splits (the dev split when the task has none) and the task's predictions
+    at the best dev checkpoint, or at ``state`` when there is none or it is unreadable
+    (then set aside like a latest one, with a warning).
+
+    Args:
+      run, checkpoints: the session's.
+      state: the last state; ``restore_into``: ``(target, shardings)`` a checkpoint
+        restores into.
+      steps: ``(train_step, eval_step, predict_step)``.
+      rng: the evaluations' base key.
+
+    Returns:
+      ``(step tested, {split name: evaluate_split result}, {split: predictions file})``,
+      the files written by process 0 (``task.write_predictions``).
+    """
+    task, mesh, log = run.task, run.mesh, run.log
+
+    def best_unreadable(step: int, moved_to: str, error: Exception) -> None:
+        log(
+            f"warning: the best checkpoint (step {step}) is unreadable "
+            f"({short_error(error)}); moved to {moved_to}, testing the last state"
+        )
+
+    _, eval_step, predict_step = steps
+    target, shardings = restore_into
+    best = checkpoints.restore_best(target, on_unreadable=best_unreadable)
+    if best is not None:
+        state = put_global(best[0], shardings)
+    splits = dict(task.test_splits or {})
+    if not splits and task.eval_batches is not None:
+        splits = {"dev": task.eval_batches}
+    tests = {
+        name: evaluate_split(eval_step, state, batches(), mesh, rng, task.eval_metrics)
+        for name, batches in splits.items()
+    }
+    predictions: dict[str, str] = {}
+    if task.predict_splits and predict_step is not None:
+        for name, batches in task.predict_splits.items():
+            index, predicted = predict_split(predict_step, state, batches(), mesh, rng)
+            if run.primary and task.write_predictions is not None:
+                predictions[name] = task.write_predictions(name, index, predicted, run.output_dir)
+    return int(state.step), tests, predictions

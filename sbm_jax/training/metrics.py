@@ -330,3 +330,26 @@ class ProgressBar:
         if self.tty and self._line_len:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class NullWriter:
+    """The records of a process other than 0: nothing is written."""
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        del record
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NullProgress:
+    """The progress line of a process other than 0: nothing is printed."""
+
+    def update(self, step: int, metrics: Mapping[str, Any], force: bool = False) -> None:
+        del step, metrics, force
+
+    def close(self) -> None:
+        pass

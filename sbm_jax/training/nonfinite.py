@@ -23,13 +23,9 @@ import numpy as np
 
 from sbm_jax.training.checkpoints import restore_snapshot, save_snapshot
 from sbm_jax.training.host_data import split_micro_batches
+from sbm_jax.training.sharding import make_mesh
 from sbm_jax.training.state import TrainState, create_train_state
-from sbm_jax.training.steps import (
-    make_accumulating_train_step,
-    make_mesh,
-    micro_batch_sharding,
-    replicated,
-)
+from sbm_jax.training.steps import make_train_step, micro_batch_sharding, replicated
 from sbm_jax.training.task import Task, build_task_model
 
 
@@ -155,9 +151,7 @@ def replay_nonfinite(
     fresh = jax.device_put(create_train_state(config, model, task, batch), replicated(mesh))
     state, _ = restore_snapshot(os.path.join(directory, "state"), fresh)
     accum = int(info["accumulation_steps"])
-    step_fn = make_accumulating_train_step(
-        task, mesh, float(config.train.density_lambda), accum, None
-    )
+    step_fn = make_train_step(task, mesh, float(config.train.density_lambda), accum_steps=accum)
     _, metrics = step_fn(
         state, jax.device_put(split_micro_batches(batch, accum), micro_batch_sharding(mesh))
     )

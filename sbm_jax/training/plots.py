@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Sequence
+from typing import Any
 
 
 def moving_average(values: Sequence[float], width: int) -> list[float]:
@@ -118,3 +120,18 @@ def plot_metrics(
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+def plot_run(config: Any, output_dir: str, primary: bool = True) -> str | None:
+    """``<output_dir>/metrics.png`` of a run's ``metrics.csv``, titled with the config's
+    name and mechanism; None when the run has written no CSV (or off process 0)."""
+    csv_path = os.path.join(output_dir, "metrics.csv")
+    if not primary or not os.path.isfile(csv_path):
+        return None
+    name = str(config.get("name", "run"))
+    return plot_metrics(
+        [csv_path],
+        os.path.join(output_dir, "metrics.png"),
+        labels=[name],
+        title=f"{name} ({config.model.attention})",
+    )

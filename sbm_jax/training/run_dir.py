@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import glob
 import json
 import math
@@ -24,9 +25,12 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from sbm_jax.attention.registry import option_defaults
+from sbm_jax.config_defaults import DEFAULTS
+from sbm_jax.models.build import ENCODER_DEFAULTS
 from sbm_jax.training.errors import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -65,19 +69,25 @@ SAFE_TO_CHANGE = (
 
 
 # Fields added to the configs after runs were already made: a saved config without them
-# matches a new one that holds these values (the behaviour those runs had).
+# matches a new one that holds their default (the behaviour those runs had). The values
+# are read where each default is written.
 ABSENT_MEANS = {
-    "init_from": "",
-    "task.truncate": False,
-    "train.max_per_device_batch": 0,
-    "train.halt_on_nonfinite": True,
-    "checkpoint.best_metric": "accuracy",
-    "checkpoint.best_mode": "max",
-    "model.position_embedding": "learned",
-    "model.final_norm": True,
-    "model.remat": False,
-    "model.scaled_residual_init": False,
-    "model.attention_options.ste": "paper",
+    **{
+        name: DEFAULTS[name]
+        for name in (
+            "init_from",
+            "train.max_per_device_batch",
+            "train.halt_on_nonfinite",
+            "checkpoint.best_metric",
+            "checkpoint.best_mode",
+        )
+    },
+    **{
+        f"model.{name}": ENCODER_DEFAULTS[name]
+        for name in ("position_embedding", "final_norm", "remat", "scaled_residual_init")
+    },
+    "model.attention_options.ste": option_defaults("sbm")["ste"],
+    "task.truncate": False,  # LRA's (lra/train_task.py), before it could cut sequences
 }
 
 
@@ -212,6 +222,44 @@ def check_resume(output_dir: str, config: Any) -> bool:
             "with its own settings or choose another --output_dir"
         )
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """A run directory checked against a config (:func:`check_run_folder`): ``path``,
+    and whether it holds a run that the config resumes (``resuming``)."""
+
+    path: str
+    resuming: bool
+
+
+def check_run_folder(config: Any, output_dir: str | None = None) -> RunFolder:
+    """Where ``config`` trains (:func:`resolve_output_dir`) and whether it may: the one
+    check of the run directory (:func:`check_resume`), before anything is written.
+
+    Raises:
+      ConfigError: as ``check_resume``.
+    """
+    path = resolve_output_dir(config, output_dir)
+    return RunFolder(path, check_resume(path, config))
+
+
+@contextlib.contextmanager
+def open_run_folder(folder: RunFolder, primary: bool) -> Iterator[str]:
+    """Create the checked ``folder`` and probe its parts (:func:`prepare_output_dir`);
+    process 0 (``primary``) holds its :class:`RunLock` until the block ends, however it
+    ends. Yields the folder's path.
+
+    Raises:
+      ConfigError: a part that cannot be written, or a folder in use by another run.
+    """
+    path = prepare_output_dir(folder.path)
+    lock = RunLock(path) if primary else None  # before anything in the folder is read
+    try:
+        yield path
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 #: What a run writes inside its folder: directories, then files. Each one that exists

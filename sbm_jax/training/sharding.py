@@ -62,8 +62,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (("heads", HEADS_AXIS),
 ParamAxes = tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...]
 
 
-def make_data_heads_mesh(data: int, heads: int = 1) -> Mesh:
-    """Mesh ``("data", "heads")`` of shape ``(data, heads)`` over the first devices."""
+def make_mesh(data: int | None = None, heads: int = 1) -> Mesh:
+    """Mesh ``("data", "heads")`` of shape ``(data, heads)`` over the first devices
+    (``data`` None: all devices / ``heads``); ``make_mesh(n)`` is the data-parallel
+    layout over ``n`` devices. The trainer's comes from the config (``mesh_from_config``)."""
+    if data is None:
+        data = jax.device_count() // heads
     if data < 1 or heads < 1:
         raise ValueError(f"mesh shape ({data}, {heads}) must be positive")
     auto = jax.sharding.AxisType.Auto
@@ -259,10 +263,11 @@ class StateShardedJit:
         return self.jitted(state)(state, *args)
 
 
-def _mesh_int(mesh_cfg: Any, name: str, default: int) -> int:
+def _mesh_int(config: Any, name: str) -> int:
+    from sbm_jax.config_defaults import field
     from sbm_jax.training.errors import ConfigError
 
-    value = mesh_cfg.get(name, default)
+    value = field(config, f"mesh.{name}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(f"config.mesh.{name}={value!r} must be an integer")
     return int(value)
@@ -283,9 +288,8 @@ def mesh_from_config(config: Any) -> Mesh:
     """
     from sbm_jax.training.errors import ConfigError
 
-    mesh_cfg = config.get("mesh") or {}
-    data = _mesh_int(mesh_cfg, "data", -1)
-    heads = _mesh_int(mesh_cfg, "heads", 1)
+    data = _mesh_int(config, "data")
+    heads = _mesh_int(config, "heads")
     available = jax.device_count()
     if not 1 <= heads <= available:
         raise ConfigError(f"config.mesh.heads={heads} must be between 1 and {available} (devices)")
@@ -315,4 +319,4 @@ def mesh_from_config(config: Any) -> Mesh:
                 f"config.mesh.heads={heads} must divide model.num_heads={num_heads} (each device "
                 "holds the same number of heads)"
             )
-    return make_data_heads_mesh(data, heads)
+    return make_mesh(data, heads)

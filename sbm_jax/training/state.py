@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -10,6 +10,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from sbm_jax.config_defaults import DEFAULTS
 from sbm_jax.training.sharding import ParamAxes, logical_axes, unbox
 from sbm_jax.training.task import Batch, Task
 
@@ -31,16 +32,36 @@ class TrainState(train_state.TrainState):
     param_axes: ParamAxes = struct.field(pytree_node=False, default=())
 
 
-def learning_rate_schedule(train: Any, num_steps: int | None = None) -> optax.Schedule:
+class ScheduleArgs(NamedTuple):
+    """The numbers of a learning-rate schedule (``config.train``'s fields of these names)."""
+
+    learning_rate: float  # peak rate
+    warmup_steps: int
+    num_steps: int
+    end_learning_rate_factor: float  # final rate / peak
+
+    @classmethod
+    def of(cls, train: Any) -> ScheduleArgs:
+        """The schedule of a ``train`` config section."""
+        return cls(
+            float(train.learning_rate),
+            int(train.warmup_steps),
+            int(train.num_steps),
+            float(train.end_learning_rate_factor),
+        )
+
+
+def learning_rate_schedule(
+    learning_rate: float, warmup_steps: int, num_steps: int, end_learning_rate_factor: float
+) -> optax.Schedule:
     """Linear warm-up from 0 to ``learning_rate`` over ``warmup_steps``, then linear decay
-    to ``learning_rate * end_learning_rate_factor`` at ``num_steps`` (``train``'s, unless
-    given: the schedule a run of another length would follow)."""
-    peak = float(train.learning_rate)
-    warmup = int(train.warmup_steps)
-    total = int(train.num_steps if num_steps is None else num_steps)
-    end = peak * float(train.end_learning_rate_factor)
+    to ``learning_rate * end_learning_rate_factor`` at ``num_steps``
+    (``learning_rate_schedule(*ScheduleArgs.of(config.train))``)."""
+    peak = float(learning_rate)
+    warmup = int(warmup_steps)
+    end = peak * float(end_learning_rate_factor)
     warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
-    decay = optax.linear_schedule(peak, end, max(total - warmup, 1))
+    decay = optax.linear_schedule(peak, end, max(int(num_steps) - warmup, 1))
     if warmup == 0:
         return decay
     return optax.join_schedules([warm, decay], [warmup])
@@ -72,12 +93,14 @@ def make_optimizer(train: Any) -> optax.GradientTransformation:
     ``train.weight_decay_mask`` (optional, default ``"all"``) which parameters decay
     (:func:`weight_decay_mask`)."""
     adamw = optax.adamw(
-        learning_rate_schedule(train),
+        learning_rate_schedule(*ScheduleArgs.of(train)),
         b1=float(train.b1),
         b2=float(train.b2),
-        eps=float(train.get("eps", 1e-8)),
+        eps=float(train.get("eps", DEFAULTS["train.eps"])),
         weight_decay=float(train.weight_decay),
-        mask=weight_decay_mask(str(train.get("weight_decay_mask", "all"))),
+        mask=weight_decay_mask(
+            str(train.get("weight_decay_mask", DEFAULTS["train.weight_decay_mask"]))
+        ),
     )
     if float(train.grad_clip_norm) > 0:
         return optax.chain(optax.clip_by_global_norm(float(train.grad_clip_norm)), adamw)

@@ -1,5 +1,6 @@
-"""The jitted steps: train (one pass, or accumulated over micro-batches with the
-non-finite guard), evaluate (weighted sums, per-head density, confusion) and predict.
+"""The jitted steps: train (accumulated over micro-batches, with the non-finite guard),
+evaluate (weighted sums, per-head density, confusion) and predict; ``compiled_steps``,
+a run's three, built once per task.
 
 Rng streams: step ``s`` draws ``dropout`` and ``sample`` from ``fold_in(state.rng, s)``
 (micro-batch ``i`` of an accumulated step from ``fold_in(fold_in(state.rng, i), s)``), so
@@ -8,6 +9,7 @@ the state alone fixes every later step and a resumed run repeats an uninterrupte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from sbm_jax.attention import STATS_COLLECTION
 from sbm_jax.training.sharding import DATA_AXIS, StateShardedJit
-from sbm_jax.training.state import TrainState
+from sbm_jax.training.state import ScheduleArgs, TrainState, learning_rate_schedule
 from sbm_jax.training.stats import collect_attention_stats, sown_per_module
 from sbm_jax.training.task import Batch, Task
 
@@ -28,12 +30,6 @@ StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]
 
 # Metrics summed over micro-batches (counts), not averaged.
 SUMMED_METRICS = ("weight", "overflow", "overflow_per_layer")
-
-
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """1-axis mesh ``('data',)`` over the first ``num_devices`` devices (default all)."""
-    n = jax.device_count() if num_devices is None else num_devices
-    return jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:
@@ -107,36 +103,6 @@ def loss_and_grads(
     return total, metrics, stats, grads
 
 
-def make_train_step(
-    task: Task, mesh: Mesh, density_lambda: float, schedule: optax.Schedule | None = None
-) -> StepFn:
-    """``(state, batch) -> (state, metrics)``: one pass, jitted, state donated and
-    replicated (the plain data-parallel step; the trainer uses
-    ``make_accumulating_train_step``, which equals this with one micro-batch).
-
-    The loss is the task loss plus ``density_lambda * mean density``.
-    """
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        rngs = step_rngs(state.rng, state.step)  # type: ignore[arg-type]
-        total, metrics, stats, grads = loss_and_grads(state, task, batch, rngs, density_lambda)
-        new_state = state.apply_gradients(grads=grads)
-        out = dict(metrics)
-        out.update(jax.lax.stop_gradient(stats))
-        out["total_loss"] = total
-        out["grad_norm"] = optax.tree.norm(grads)
-        if schedule is not None:
-            out["learning_rate"] = schedule(state.step)
-        return new_state, out
-
-    return jax.jit(
-        step,
-        in_shardings=(replicated(mesh), data_sharding(mesh)),
-        out_shardings=(replicated(mesh), replicated(mesh)),
-        donate_argnums=0,
-    )
-
-
 def _combine_micro_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics stacked over micro-batches [A, ...] -> one set: ``loss``/``accuracy``
     weighted by ``weight``, counts (``SUMMED_METRICS``) summed, the rest averaged."""
@@ -153,22 +119,27 @@ def _combine_micro_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_accumulating_train_step(
+def make_train_step(
     task: Task,
     mesh: Mesh,
     density_lambda: float,
-    accum_steps: int,
+    *,
+    accum_steps: int = 1,
     schedule: optax.Schedule | None = None,
     guard_nonfinite: bool = False,
 ) -> Callable[..., Any]:
-    """``(state, batch [A, micro, ...]) -> (state, metrics)``, jitted; state donated.
+    """``(state, batch [A, micro, ...]) -> (state, metrics)``, jitted; state donated
+    (``host_data.split_micro_batches`` lays a host batch out as ``[A, micro, ...]``).
 
     Each micro-batch ``i`` gives ``grad_i`` of (task loss + ``density_lambda`` x mean
     density); the update uses ``sum_i w_i grad_i / sum_i w_i`` with ``w_i`` the
     micro-batch's ``weight`` metric. For the task loss (a weighted mean over positions)
     this is exactly the gradient of the whole batch's loss; the density term gets the
     same weights, i.e. the plain mean when micro-batches weigh the same. With ``A = 1``
-    this is ``make_train_step`` (same rng streams).
+    it is the plain data-parallel step: one pass, the step's rng streams from
+    ``state.rng`` itself. Metrics: the task's, the attention statistics,
+    ``total_loss`` (with the density term), ``grad_norm``, ``finite`` and, with a
+    ``schedule``, ``learning_rate``.
 
     With ``guard_nonfinite`` the step is ``(state, batch, halted) -> (state, metrics,
     halted)``: ``halted`` is a replicated bool scalar; the step is ``ok`` when every
@@ -240,23 +211,6 @@ def make_accumulating_train_step(
     )
 
 
-def make_eval_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
-    """``(state, batch, rng) -> metrics`` of one batch, jitted, replicated state, no
-    dropout (graph sampling stays on): the task's metrics plus the attention stats."""
-
-    def step(state: TrainState, batch: Batch, rng: Array) -> dict[str, Any]:
-        rngs = {"dropout": rng, "sample": rng}
-        logits, mutables = _apply(state, state.params, task, batch, rngs, True)
-        _, metrics = task.loss_fn(logits, batch)
-        return {**metrics, **collect_attention_stats(mutables)}
-
-    return jax.jit(
-        step,
-        in_shardings=(replicated(mesh), data_sharding(mesh), replicated(mesh)),
-        out_shardings=replicated(mesh),
-    )
-
-
 def _example_weights(batch: Batch, leading: int) -> Array:
     """float32 [batch]: ``example_mask`` (1 for real rows), all ones when absent."""
     example = batch.get("example_mask")
@@ -265,9 +219,7 @@ def _example_weights(batch: Batch, leading: int) -> Array:
     return example.astype(jnp.float32)
 
 
-def make_detailed_eval_step(
-    task: Task, mesh: Mesh
-) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
+def make_eval_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Array], dict[str, Any]]:
     """``(state, batch, rng) -> sums``, jitted, no dropout (SBM graph sampling stays on).
 
     Returns weighted sums ``loss_sum``, ``correct_sum``, ``weight`` and the count of
@@ -340,3 +292,26 @@ def make_predict_step(task: Task, mesh: Mesh) -> Callable[[TrainState, Batch, Ar
         in_shardings=lambda s: (s, data_sharding(mesh), rep),
         out_shardings=lambda s: rep,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_steps(
+    task: Task,
+    mesh: Mesh,
+    density_lambda: float,
+    accum: int,
+    schedule: ScheduleArgs,
+    guard_nonfinite: bool = False,
+) -> tuple[Any, Any, Any]:
+    """``(train_step, eval_step, predict_step or None)`` of a run, reused when the same
+    task object trains again (a resumed run in the same process does not recompile)."""
+    train_step = make_train_step(
+        task,
+        mesh,
+        density_lambda,
+        accum_steps=accum,
+        schedule=learning_rate_schedule(*schedule),
+        guard_nonfinite=guard_nonfinite,
+    )
+    predict = make_predict_step(task, mesh) if task.predict_splits else None
+    return train_step, make_eval_step(task, mesh), predict

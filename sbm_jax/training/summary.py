@@ -3,9 +3,13 @@ one line printed at the end of a run (or when a signal stopped it)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
+
+from sbm_jax.training.run_dir import write_atomically
 
 
 def to_python_json(value: Any) -> Any:
@@ -29,7 +33,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def format_run_summary(summary: Mapping[str, Any]) -> str:
+def format_summary(summary: Mapping[str, Any]) -> str:
     """One line: task, mechanism, test accuracy/density, best dev, final train loss,
     steps, time, output directory (or where and why a run stopped early)."""
 
@@ -53,5 +57,55 @@ def format_run_summary(summary: Mapping[str, Any]) -> str:
     )
 
 
-# The name the synthetic job, notebook and scripts have always used.
-format_summary = format_run_summary
+def run_summary(
+    config: Any,
+    *,
+    loop: Mapping[str, Any],
+    resumed_from: int | None,
+    init_from: str | None,
+    test_step: int,
+    tests: Mapping[str, Mapping[str, Any]],
+    predictions: Mapping[str, str],
+    devices: int,
+    processes: int,
+    output_dir: str,
+    plot: str | None,
+    resolved: Mapping[str, Any],
+) -> dict[str, Any]:
+    """summary.json's content: what was trained (the config's name, task, mechanism,
+    seed; ``loop``: the loop's ``summary_fields``), where it resumed or started from,
+    and what it scored (the first test split's numbers at ``test_step`` flat, every
+    split's under ``test_splits``)."""
+    test = next(iter(tests.values()), {})
+    return {
+        "name": str(config.get("name", "run")),
+        "task": str(config.task.name),
+        "attention": str(config.model.attention),
+        "seed": int(config.seed),
+        "density_lambda": float(config.train.density_lambda),
+        **loop,
+        "resumed_from": resumed_from,
+        "init_from": init_from,
+        "test_step": test_step,
+        "test_split": next(iter(tests), None),
+        "test_accuracy": test.get("accuracy"),
+        "test_loss": test.get("loss"),
+        "test_density": test.get("density"),
+        "test_density_per_head": test.get("density_per_head"),
+        "test_examples": test.get("examples"),
+        "test_splits": dict(tests),
+        "predictions": dict(predictions),
+        "devices": devices,
+        "processes": processes,
+        "output_dir": output_dir,
+        "plot": plot,
+        "config": resolved,
+    }
+
+
+def write_summary(output_dir: str, summary: Mapping[str, Any]) -> None:
+    """``<output_dir>/summary.json`` (strict JSON, sorted keys), written atomically."""
+    write_atomically(
+        os.path.join(output_dir, "summary.json"),
+        json.dumps(to_python_json(summary), indent=2, sort_keys=True),
+    )
