@@ -49,18 +49,28 @@ def _seeds(key, shape=()):
 
 
 # ----------------------------------------------------------------------------- the law
+#: The kernel's rule (fused_cpu.cc, dense_row): a row is drawn pair by pair when its
+#: expected draws exceed this share of the real keys or its oversampling exceeds 5.3.
+DENSE_SHARE, DENSE_OVERSAMPLE = 0.25, 5.3
+
+
 @pytest.mark.parametrize("law", ["bernoulli", "poisson"])
 @pytest.mark.parametrize("delta", [0.0, 0.05])
-def test_graphs_have_the_law_and_never_touch_padding(law, delta):
+@pytest.mark.parametrize("scale", [0.1, 1.5])
+def test_graphs_have_the_law_and_never_touch_padding(law, delta, scale):
+    # scale 0.1: every row drawn by fastRG (draws, collapse, thinning); 1.5: p up to ~0.8,
+    # p + delta above 1 on some pairs (a bound above 0.995), most rows drawn pair by pair.
     trials = 6000
     _, _, _, _, ys, zk = _inputs(1, zero_rows=())
-    ys = ys * 1.5  # p up to ~0.8: the bernoulli oversampling is far from 1
+    ys = ys * scale
     p = ys @ zk.T
     rate = p + delta
     want = np.minimum(rate, 1.0) if law == "bernoulli" else 1.0 - np.exp(-rate)
     real = Q_MASK[:, None] & K_MASK[None, :]
     want = np.where(real, want, 0.0)
     c, row_rate = _plan(ys, zk, delta, law)
+    dense = (row_rate > DENSE_SHARE * K_MASK.sum()) | (c > DENSE_OVERSAMPLE)
+    assert not dense.any() if scale < 1 else dense[Q_MASK].mean() > 0.5, "the case's rows"
     ys32, zk32 = _f32(ys, zk)
     qm, km = jnp.asarray(Q_MASK), jnp.asarray(K_MASK)
 

@@ -775,15 +775,15 @@ def fused_draws(
     """The fused path's sampling plan without search tables: ``(oversample, counts,
     bound)``, ``[B, H, n]``, ``[B, H, n]`` int32 and ``[B, H]``.
 
-    ``ys [B, H, n, k]`` (``Y S``, padded queries zero), ``zk [B, H, m, k]`` (padded keys
-    zero), ``mask [B, L]``. Row ``i`` draws ``Poisson(c_i sum_j (p_ij + delta))`` times
+    ``ys [B, H, n, k]`` (``Y S``), ``zk [B, H, m, k]`` (the key memberships; padded keys
+    are left out here), ``mask [B, L]``. Row ``i`` draws ``Poisson(c_i sum_j (p_ij + delta))`` times
     (:func:`sbm_jax.fastrg.make_plan`'s ``row_rate``), with the bernoulli law's per-row
     oversampling ``c_i`` from the row bound ``q_i`` (:func:`~sbm_jax.fastrg.row_max_bound`
     plus ``delta``; 1 under the poisson law). Everything is under ``stop_gradient``."""
     f32 = jnp.float32
     sg = jax.lax.stop_gradient
-    ys, zk = sg(ys), sg(zk)
     real = mask.astype(f32)[:, None, :]  # [B, 1, L]
+    ys, zk = sg(ys), jnp.where(real[..., None] > 0, sg(zk), 0.0)  # padded keys weigh 0
     m_real = jnp.sum(real, axis=-1, keepdims=True)  # [B, 1, 1]
     hi = jax.lax.Precision.HIGHEST
     zsum = jnp.sum(zk, axis=2)  # [B, H, k]
@@ -816,14 +816,17 @@ def _fused_core(
     batch, heads, length, _ = q.shape
     n = m = length
     f32 = jnp.float32
-    real = mask.astype(f32)[:, None, :, None]
-    yq = q_memberships.astype(f32) * real
-    zk = k_memberships.astype(f32) * real
-    ys = jnp.einsum("bhik,hkl->bhil", yq, block.astype(f32))
+    # Unmasked: neither path reads a padded row of Y S or a padded key's memberships (nor
+    # sends them gradient), and the plan masks what it sums. The block matrix is broadcast
+    # over the batch so that Y S is a product batched over (b, h) on both sides, with no
+    # transpose of Y around it.
+    zk = k_memberships.astype(f32)
+    per_example = jnp.broadcast_to(block.astype(f32), (batch, *block.shape))
+    ys = jnp.einsum("bhik,bhkl->bhil", q_memberships.astype(f32), per_example)
     delta = jnp.asarray(delta, f32)
     k_count, k_sample = jax.random.split(rng)
     with jax.named_scope(SAMPLE):
-        oversample, counts, bound = fused_draws(k_count, ys, zk, mask, delta, law)
+        oversample, counts, _ = fused_draws(k_count, ys, zk, mask, delta, law)
     sample_keys = jax.random.split(k_sample, (batch, heads))
     bits = jax.vmap(jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32)))
     seeds = bits(sample_keys)
@@ -854,7 +857,7 @@ def _fused_core(
         return out, num / real_pairs, edges
 
     def dense_branch(ops):
-        q, k, v, ys, zk, _, _ = ops
+        q, k, v, ys, zk, _, _ = ops  # the dense path masks padded rows and keys itself
 
         def head(key, drop_key, q, k, v, ys, zk, qm, dl):
             out, num = streamed_sbm_attention(
@@ -867,30 +870,18 @@ def _fused_core(
         out, num = run(sample_keys, drop_keys, q, k, v, ys, zk, masks, deltas)
         return out, num / real_pairs, jax.lax.stop_gradient(num).astype(jnp.int32)
 
-    pairs = batch * heads * n * m
-    dense_allowed = pairs <= max_dense_elements
     ops = (q, k, v, ys, zk, oversample, counts)
+    dense_allowed = batch * heads * n * m <= max_dense_elements
     if impl == "auto" and dense_allowed and n * m <= dense_below:
         out, density, edges = dense_branch(ops)
         path = jnp.asarray(dense_index, jnp.int32)
-    elif not dense_allowed:
+    else:
+        # No dense branch beside it: the kernel draws a row pair by pair itself where
+        # that is cheaper (many draws) or where the bernoulli oversampling would explode
+        # (a row bound above 0.995), with the same law, so no switch reserves the dense
+        # path's memory and every batch runs the kernel.
         out, density, edges = fused_branch(ops)
         path = jnp.asarray(0, jnp.int32)
-    else:
-        use_dense = jnp.any(bound > BERNOULLI_MAX_BOUND) if law == "bernoulli" else False
-        if impl == "auto":
-            cost = calibrated_edge_cost("fused") if edge_cost is None else edge_cost
-            forced = _forced_per_row(self_loops, window, length) * n * batch * heads
-            draws = jnp.sum(counts).astype(f32) + forced
-            cheaper = False if cost is None else draws * cost >= jnp.float32(pairs)
-            use_dense = jnp.logical_or(use_dense, cheaper)
-        branches = [
-            jax.checkpoint(fused_branch, policy=SPARSE_BRANCH_POLICY),
-            jax.checkpoint(dense_branch, policy=SPARSE_BRANCH_POLICY),
-        ]
-        index = jnp.asarray(use_dense, jnp.int32)
-        out, density, edges = jax.lax.switch(index, branches, ops)
-        path = jnp.where(index == 1, dense_index, 0).astype(jnp.int32)
     overflow = jnp.zeros((batch, heads), bool)
     stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
     return out, stats
@@ -1215,68 +1206,93 @@ class SBMAttention(nn.Module):
         w2 = self.param("mlp_w2", named(init, *lead, "mlp", KV), mlp_shape)
         b2 = self.param("mlp_b2", named(zeros, *lead, KV), bias_shape)
 
-        with jax.named_scope(MEMBERSHIPS):
-            # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
-            # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
-            # einsum in it, with no transpose of theirs in either pass.
-            q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
-
-            def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
-                t = t.astype(jnp.float32)
-                if self.shared_mlp:
-                    h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
-                    return jnp.einsum("bhld,de->bhle", h, w2) + b2
-                w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
-                h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
-                return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
-
-            # The clusters broadcast over the batch: (b, h) are then the product's batch
-            # dimensions on both sides, and XLA transposes nothing [B, H, L, k]-sized.
-            per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
-            q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
-            k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
-            logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
-            block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
-
         if not self.has_rng("sample"):
             raise ValueError(
                 "SBMAttention samples its graph from the 'sample' rng stream: pass "
                 "rngs={'sample': key} to apply (it stays on at evaluation)"
             )
         rate = 0.0 if deterministic else self.attention_dropout
-        out, stats = sbm_attention_core(
-            self.make_rng("sample"),
+        # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
+        # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
+        # einsum in it, with no transpose of theirs in either pass.
+        q, kk, v = (t.transpose(0, 2, 1, 3) for t in (q, kk, v))
+        want_maps = self.is_mutable_collection(MAPS_COLLECTION) and not self.is_initializing()
+
+        def body(q, kk, v, w1, b1, w2, b2, clusters, mask, sample_rng, dropout_rng):
+            with jax.named_scope(MEMBERSHIPS):
+
+                def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
+                    t = t.astype(jnp.float32)
+                    if self.shared_mlp:
+                        h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
+                        return jnp.einsum("bhld,de->bhle", h, w2) + b2
+                    w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
+                    h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
+                    return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
+
+                # The clusters broadcast over the batch: (b, h) are then the product's
+                # batch dimensions on both sides, and XLA transposes nothing
+                # [B, H, L, k]-sized.
+                per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
+                q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
+                k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
+                logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
+                block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
+            out, stats = sbm_attention_core(
+                sample_rng,
+                q,
+                kk,
+                v,
+                q_memb,
+                block,
+                k_memb,
+                mask,
+                delta=0.0 if deterministic else self.delta,
+                law=self.edge_law,
+                capacity_buckets=tuple(self.capacity_buckets),
+                impl=self.impl,
+                self_loops=self.self_loops,
+                window=self.window,
+                dense_below=self.dense_below,
+                edge_cost=self.edge_cost,
+                max_dense_elements=self.max_dense_elements,
+                max_edge_slots=self.max_edge_slots,
+                dropout_rate=rate,
+                dropout_rng=dropout_rng,
+                kernel=self.kernel,
+                ste=self.ste,
+                pair_probes=self.pair_probes,
+                stream_rows=self.stream_rows,
+                stream_slots=self.stream_slots,
+            )
+            sg = jax.lax.stop_gradient  # logged, not trained
+            densities = expected_token_densities(sg(q_memb), sg(block), sg(k_memb), mask)
+            maps = (q_memb, k_memb, block) if want_maps else None
+            return out, stats, densities, maps
+
+        # Recomputed in the backward pass from the projections: the memberships and Y S
+        # ([B, H, L, k] each, 4x the projections at k=128) are not kept between the
+        # passes; the core keeps only its named values (sampled keys, out and lse).
+        remat = jax.checkpoint(body, policy=SPARSE_BRANCH_POLICY)
+        out, stats, (query_density, key_density), maps = remat(
             q,
             kk,
             v,
-            q_memb,
-            block,
-            k_memb,
+            w1,
+            b1,
+            w2,
+            b2,
+            clusters,
             mask,
-            delta=0.0 if deterministic else self.delta,
-            law=self.edge_law,
-            capacity_buckets=tuple(self.capacity_buckets),
-            impl=self.impl,
-            self_loops=self.self_loops,
-            window=self.window,
-            dense_below=self.dense_below,
-            edge_cost=self.edge_cost,
-            max_dense_elements=self.max_dense_elements,
-            max_edge_slots=self.max_edge_slots,
-            dropout_rate=rate,
-            dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
-            kernel=self.kernel,
-            ste=self.ste,
-            pair_probes=self.pair_probes,
-            stream_rows=self.stream_rows,
-            stream_slots=self.stream_slots,
+            self.make_rng("sample"),
+            self.make_rng("dropout") if rate > 0.0 else None,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])
-        query_density, key_density = expected_token_densities(q_memb, block, k_memb, mask)
         self.sow(STATS_COLLECTION, "query_density", query_density)
         self.sow(STATS_COLLECTION, "key_density", key_density)
-        if self.is_mutable_collection(MAPS_COLLECTION) and not self.is_initializing():
+        if maps is not None:
+            q_memb, k_memb, block = maps
             real = mask[:, None, :, None]
             self.sow(MAPS_COLLECTION, "q_memberships", jnp.where(real, q_memb, 0.0))
             self.sow(MAPS_COLLECTION, "k_memberships", jnp.where(real, k_memb, 0.0))

@@ -171,6 +171,8 @@ def _load() -> ctypes.CDLL:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     lib.SbmFusedScratchBytes.restype = ctypes.c_int64
     lib.SbmFusedScratchBytes.argtypes = [ctypes.c_int64] * 8
+    lib.SbmFusedPhaseNanos.restype = None
+    lib.SbmFusedPhaseNanos.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
     return lib
 
 
@@ -218,6 +220,20 @@ def scratch_bytes(
     key-side accumulators in a backward pass whose graphs do not divide by the threads."""
     lib = load()
     return int(lib.SbmFusedScratchBytes(graphs, n, m, d, dv, kc, threads, int(backward)))
+
+
+#: The kernel's phases, in the order :func:`phase_seconds` reports them.
+PHASES = ("tables", "draws", "resolve", "collapse", "sort_keys", "attend_fwd", "attend_bwd")
+
+
+def phase_seconds(on: bool = True) -> dict[str, float]:
+    """Seconds the kernel spent per phase (summed over threads) since the last call, and
+    timing switched ``on`` or off from now (a profiling aid, scripts/profile_layer.py;
+    off by default, when it costs nothing). ``draws`` includes ``resolve``."""
+    lib = load()
+    out = (ctypes.c_int64 * len(PHASES))()
+    lib.SbmFusedPhaseNanos(int(on), out)
+    return {name: out[i] * 1e-9 for i, name in enumerate(PHASES)}
 
 
 class FusedConfig(NamedTuple):

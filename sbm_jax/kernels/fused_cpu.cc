@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -40,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -53,7 +55,14 @@ namespace ffi = xla::ffi;
 namespace sbm_fused {
 
 constexpr int64_t kChunk = 16;  // keys per chunk of a cluster's key CDF
-constexpr uint32_t kStreamDraw = 0, kStreamThin = 1, kStreamProbe = 2, kStreamDrop = 3;
+constexpr uint32_t kStreamDraw = 0, kStreamThin = 1, kStreamProbe = 2, kStreamDrop = 3, kStreamDense = 4;
+// A row is drawn pair by pair (one uniform per real key against min(1, p + delta), or
+// 1 - exp(-(p + delta)) under the poisson law: the same law) when its draws exceed this
+// share of the real keys, where a draw costs more than the pairs it would save, or when
+// its bernoulli oversampling exceeds kDenseOversample (a row bound above 0.995, where
+// c = -log(1 - q) / q grows without limit).
+constexpr double kDenseShare = 0.25;
+constexpr double kDenseOversample = 5.3;
 constexpr int kLawBernoulli = 0, kLawPoisson = 1;
 constexpr int kStePaper = 0, kSteReference = 1, kStePairs = 2;
 constexpr double kTwoM32 = 1.0 / 4294967296.0;
@@ -172,6 +181,27 @@ static inline void philox_first(uint32_t k0, uint32_t k1, uint32_t c0, const int
 // A float in [0, 1) from the top 24 bits (what jax.random.uniform does with float32).
 static inline float unit_float(uint32_t x) { return static_cast<float>(x >> 8) * (1.0f / 16777216.0f); }
 
+// ---- phase timers (read with SbmFusedPhaseNanos; for profiling the kernel) ---------------
+
+enum Phase { kTables = 0, kDraws, kResolve, kCollapse, kSortKeys, kAttendForward, kAttendBackward, kPhases };
+static std::atomic<int64_t> g_phase_ns[kPhases];
+static std::atomic<bool> g_timing{false};
+
+struct PhaseTimer {
+  Phase phase;
+  std::chrono::steady_clock::time_point t0;
+  bool on;
+  explicit PhaseTimer(Phase p) : phase(p), on(g_timing.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~PhaseTimer() {
+    if (on)
+      g_phase_ns[phase].fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+          std::memory_order_relaxed);
+  }
+};
+
 // ---- sizes and options -----------------------------------------------------------------
 
 struct Dims {
@@ -257,6 +287,7 @@ struct Tables {
   int32_t* cguide;  // [kc][nc] first chunk whose CDF passes g * total / nc
   double* zsum;     // [kc] total weight of each cluster (ccdf[v][nc])
   int32_t* real;    // [m] the real keys, in order
+  double* rtot;     // [n] each row's total cluster weight (row_total)
   int64_t mreal = 0, nc = 0;
 };
 
@@ -270,12 +301,26 @@ static int64_t block_edge_cap(const Dims& D) { return std::max<int64_t>(int64_t{
 
 constexpr int64_t kDrawCap = 16384;  // draws resolved per cluster-sorted batch
 
+static inline int64_t pow2_at_least(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// The largest v with cdf[v] <= target, by a branchless binary search over `len` (a power
+// of two) entries, cdf[0] = 0 <= target, +inf past the end: the first v with
+// cdf[v + 1] > target, zero-weight entries skipped.
+static inline int64_t bisect(const double* cdf, int64_t len, double target) {
+  int64_t v = 0;
+  for (int64_t step = len >> 1; step >= 1; step >>= 1) v = cdf[v + step] <= target ? v + step : v;
+  return v;
+}
+
 // One thread's buffers for a block of query rows.
 struct Block {
   int64_t rows_max = 0, ecap = 0;
   uint64_t* bits;    // [rows_max][nw] each row's draws, collapsed
-  double* rcdf;      // [K + 1 + kPad] a row's cluster CDF, +inf padded
-  int32_t* rguide;   // [K] its guide table
+  double* rcdf;      // [rows_pow2(K + 1)] a row's cluster CDF, +inf padded
   uint32_t* u;       // [4 * kDrawBlock] Philox words of a row's draws
   int32_t* dcl;      // [kDrawCap] pending draws: cluster, local row, key word
   uint16_t* drow;
@@ -295,6 +340,7 @@ struct Block {
   float* racc;       // [rows_max][max(d, dv)] the output sum (forward), dq (backward)
   float* rdys;       // [rows_max][kc] dys (backward)
   float* kacc;       // [d + dv + kc] one key's dk, dv, dz
+  uint8_t* dense;    // [rows_max] whether each row is drawn pair by pair
   float* acc;        // [m][d + dv + kc] key-side gradients of a row-split graph (or null)
 };
 
@@ -310,13 +356,13 @@ static void layout(const Dims& D, bool with_acc, Bump& b, Slot& s) {
   s.t.cguide = b.take<int32_t>(D.kc * nc);
   s.t.zsum = b.take<double>(D.kc);
   s.t.real = b.take<int32_t>(D.m);
+  s.t.rtot = b.take<double>(D.n);
   s.t.nc = nc;
   Block& k = s.b;
   k.rows_max = block_rows_max(D);
   k.ecap = block_edge_cap(D);
   k.bits = b.take<uint64_t>(k.rows_max * nw);
-  k.rcdf = b.take<double>(K + 1 + kPad);
-  k.rguide = b.take<int32_t>(K);
+  k.rcdf = b.take<double>(pow2_at_least(K + 1));
   k.u = b.take<uint32_t>(4 * kDrawBlock);
   k.dcl = b.take<int32_t>(kDrawCap);
   k.drow = b.take<uint16_t>(kDrawCap);
@@ -339,6 +385,7 @@ static void layout(const Dims& D, bool with_acc, Bump& b, Slot& s) {
   k.racc = b.take<float>(k.rows_max * std::max(D.d, D.dv));
   k.rdys = b.take<float>(k.rows_max * D.kc);
   k.kacc = b.take<float>(D.d + D.dv + D.kc);
+  k.dense = b.take<uint8_t>(k.rows_max);
   k.acc = with_acc ? b.take<float>(D.m * (D.d + D.dv + D.kc)) : nullptr;
 }
 
@@ -402,7 +449,17 @@ static Pool& pool() {
 
 // ---- search tables ---------------------------------------------------------------------
 
+// Row i's total cluster weight, sum_v (Y S)_iv sum_j z_jv + delta * #real keys: its
+// expected draws over c_i (the row CDF's total).
+static inline double row_total(const Dims& D, const Graph& g, const Tables& t, int64_t i) {
+  const float* ysi = g.ys + i * D.kc;
+  double total = 0.0;
+  for (int64_t v = 0; v < D.kc; ++v) total += static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
+  return total + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
+}
+
 static void build_tables(const Dims& D, const Graph& g, Tables& t) {
+  PhaseTimer timer(kTables);
   const int64_t m = D.m, kc = D.kc, nc = t.nc, width = nc * kChunk;
   int64_t mreal = 0;
   for (int64_t j = 0; j < m; ++j)
@@ -441,6 +498,7 @@ static void build_tables(const Dims& D, const Graph& g, Tables& t) {
       guide[q] = static_cast<int32_t>(c);
     }
   }
+  for (int64_t i = 0; i < D.n; ++i) t.rtot[i] = g.qm[i] ? row_total(D, g, t, i) : 0.0;
 }
 
 // s + the number of entries cdf[s + 1 .. s + 8] at or below target: the entries at or
@@ -501,20 +559,28 @@ static inline void set_bit(uint64_t* bits, int64_t j) { bits[j >> 6] |= uint64_t
 
 // The bound on a row's edges that decides the blocks: its draws plus its forced pairs,
 // at most the keys.
-static inline int64_t edge_bound(const Dims& D, const Opts& O, const Graph& g, int64_t i) {
+// Whether row i is drawn pair by pair: decided from its expected draws, never from its
+// drawn count (a choice that depended on the count would condition each way's draw on
+// it and bias the law).
+static inline bool dense_row(const Graph& g, const Tables& t, int64_t i) {
+  return g.c[i] * t.rtot[i] > kDenseShare * static_cast<double>(t.mreal) || g.c[i] > kDenseOversample;
+}
+
+static inline int64_t edge_bound(const Dims& D, const Opts& O, const Graph& g, const Tables& t, int64_t i) {
   if (!g.qm[i]) return 0;
+  if (dense_row(g, t, i)) return t.mreal;
   const int64_t forced = O.forced_half >= 0 ? 2 * O.forced_half + 1 : 0;
   return std::min<int64_t>(D.m, static_cast<int64_t>(g.counts[i]) + forced);
 }
 
 // The row blocks of a graph: [starts[b], starts[b + 1]). Rows join a block while the
 // block has at most rows_max rows and the sum of their edge bounds fits its edge slots.
-static std::vector<int64_t> block_starts(const Dims& D, const Opts& O, const Graph& g) {
+static std::vector<int64_t> block_starts(const Dims& D, const Opts& O, const Graph& g, const Tables& t) {
   const int64_t rows_max = block_rows_max(D), ecap = block_edge_cap(D);
   std::vector<int64_t> starts{0};
   int64_t rows = 0, edges = 0;
   for (int64_t i = 0; i < D.n; ++i) {
-    const int64_t e = edge_bound(D, O, g, i);
+    const int64_t e = edge_bound(D, O, g, t, i);
     if (rows > 0 && (rows == rows_max || edges + e > ecap)) {
       starts.push_back(i);
       rows = 0;
@@ -530,6 +596,7 @@ static std::vector<int64_t> block_starts(const Dims& D, const Opts& O, const Gra
 // The pending draws, sorted by cluster, each resolved to its key (the cluster's tables
 // stay in cache across its draws) and set in its row's bitmap.
 static void resolve_draws(const Dims& D, const Tables& t, Block& b, int64_t pending) {
+  PhaseTimer timer(kResolve);
   const int64_t kc = D.kc, nc = t.nc, nw = (D.m + 63) / 64;
   int32_t* cnt = b.ccount;
   std::fill(cnt, cnt + kc + 1, 0);
@@ -566,6 +633,25 @@ static void resolve_draws(const Dims& D, const Tables& t, Block& b, int64_t pend
   }
 }
 
+// Row i drawn pair by pair: real key j is present with probability min(1, p_ij + delta)
+// (bernoulli) or 1 - exp(-(p_ij + delta)) (poisson), from the uniform of Philox counter
+// (i, j, dense stream); sets the row's bits.
+static void sample_dense_row(const Dims& D, const Opts& O, const Graph& g, const Tables& t, uint64_t* bits,
+                             int64_t i) {
+  (void)t;
+  const int64_t m = D.m, kc = D.kc;
+  const float* ysi = g.ys + i * kc;
+  const double delta = g.delta;
+  uint32_t x[4];
+  for (int64_t j = 0; j < m; ++j) {
+    if (!g.km[j]) continue;
+    const double rate = static_cast<double>(dot(ysi, g.z + j * kc, kc)) + delta;
+    const double prob = O.law == kLawBernoulli ? std::min(1.0, rate) : -std::expm1(-rate);
+    philox(g.key0, g.key1, static_cast<uint32_t>(i), static_cast<uint32_t>(j), kStreamDense, 0, x);
+    if (x[0] * kTwoM32 < prob) set_bit(bits, j);
+  }
+}
+
 // Draws the edges of rows [r0, r1) into the block's row-major CSR (rptr, rcols: each
 // row's keys sorted, collapsed, thinned, forced pairs added); returns their number. The
 // graph of a row depends only on (seed, row): not on the blocks or the threads.
@@ -573,26 +659,24 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
                             int64_t r0, int64_t r1) {
   const int64_t m = D.m, kc = D.kc, K = kc + 1, nw = (m + 63) / 64;
   int64_t pending = 0;
+  auto draws_timer = std::make_unique<PhaseTimer>(kDraws);  // includes resolve (subtract it)
   for (int64_t i = r0; i < r1; ++i) {
+    b.dense[i - r0] = 0;
     if (!g.qm[i]) continue;
     uint64_t* bits = b.bits + (i - r0) * nw;
     const int64_t draws = g.counts[i];
-    if (draws > 0 && t.mreal > 0) {
+    if (t.mreal > 0 && dense_row(g, t, i)) {
+      b.dense[i - r0] = 1;  // drawn pair by pair below
+    } else if (draws > 0 && t.mreal > 0) {
       const float* ysi = g.ys + i * kc;
       double* rc = b.rcdf;
+      const int64_t len = pow2_at_least(K + 1);
       rc[0] = 0.0;
       for (int64_t v = 0; v < kc; ++v) rc[v + 1] = rc[v] + static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
       rc[K] = rc[kc] + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
-      for (int64_t x = 1; x <= kPad; ++x) rc[K + x] = INFINITY;
+      for (int64_t x = K + 1; x < len; ++x) rc[x] = INFINITY;
       const double total = rc[K];
       if (total > 0.0) {
-        int32_t* guide = b.rguide;
-        int64_t v = 0;
-        for (int64_t q = 0; q < K; ++q) {
-          const double thr = total * static_cast<double>(q) / static_cast<double>(K);
-          while (v < K - 1 && rc[v + 1] <= thr) ++v;
-          guide[q] = static_cast<int32_t>(v);
-        }
         const double mreal = static_cast<double>(t.mreal);
         uint32_t *u0 = b.u, *u1 = u0 + kDrawBlock, *u2 = u1 + kDrawBlock, *u3 = u2 + kDrawBlock;
         const int64_t blocks = (draws + 1) / 2;
@@ -604,7 +688,7 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
             const uint32_t wc = (h & 1) ? u2[h >> 1] : u0[h >> 1];
             const uint32_t wk = (h & 1) ? u3[h >> 1] : u1[h >> 1];
             const double uc = wc * kTwoM32;
-            const int64_t c = search_from(rc, guide[guide_index(uc, K)], uc * total);
+            const int64_t c = bisect(rc, len, uc * total);
             if (c == kc) {  // the exploration cluster: uniform over the real keys
               set_bit(bits, t.real[std::min(static_cast<int64_t>(wk * kTwoM32 * mreal), t.mreal - 1)]);
               continue;
@@ -627,7 +711,11 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
     }
   }
   if (pending > 0) resolve_draws(D, t, b, pending);
+  for (int64_t i = r0; i < r1; ++i)
+    if (b.dense[i - r0]) sample_dense_row(D, O, g, t, b.bits + (i - r0) * nw, i);
+  draws_timer.reset();
   // Collapse each row's bitmap (clearing it) and thin its sampled pairs.
+  PhaseTimer collapse_timer(kCollapse);
   int64_t count = 0;
   b.rptr[0] = 0;
   for (int64_t i = r0; i < r1; ++i) {
@@ -646,7 +734,7 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
         }
       }
     }
-    if (cand > 0 && O.law == kLawBernoulli) {
+    if (cand > 0 && O.law == kLawBernoulli && !b.dense[lr]) {
       // A sampled pair whose uniform is below 1 / c_i is kept without p_ij; the others'
       // membership rows are prefetched, then each is kept with r / (1 - exp(-c_i r)).
       int64_t flo = 1, fhi = 0;
@@ -690,6 +778,7 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
 // The block's edges grouped by key (a counting sort): key j's edges are
 // [kend[j - 1], kend[j]) (from 0 for j = 0), in row order, each with its local row.
 static void sort_by_key(const Dims& D, Block& b, int64_t rows) {
+  PhaseTimer timer(kSortKeys);
   int32_t* kend = b.kend;
   std::fill(kend, kend + D.m, 0);
   const int64_t total = b.rptr[rows];
@@ -717,21 +806,14 @@ static inline void drop_factors(const Opts& O, const Graph& g, int64_t r0, const
 
 // ---- a block of rows: forward and backward ------------------------------------------------
 
-struct FwdOut {
-  float *out, *lse;
-};
-
-static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
-                             int64_t r0, int64_t r1, FwdOut o) {
-  const int64_t d = D.d, dv = D.dv, m = D.m, rows = r1 - r0;
-  const int64_t edges = sample_block(D, O, g, t, b, r0, r1);
-  sort_by_key(D, b, rows);
-  const float inv = 1.0f / std::sqrt(static_cast<float>(d));
+// The two passes of a block's forward attention, key by key (each key's row read once per
+// block): scores and each row's maximum, then weights and the weighted sums of values.
+// CD, CDV, CKC: the head, value and cluster widths when known at compile time (0: read
+// from D), so that the common sizes' loops are unrolled.
+template <int64_t CD, int64_t CDV, int64_t CKC>
+static void forward_keys(const Dims& D, const Opts& O, const Graph& g, Block& b, int64_t r0, float inv) {
+  const int64_t d = CD ? CD : D.d, dv = CDV ? CDV : D.dv, m = D.m;
   const int64_t acc_w = std::max(d, dv);
-  std::fill(b.rmax, b.rmax + rows, -INFINITY);
-  std::fill(b.rl, b.rl + rows, 0.0f);
-  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
-  // Scores, key by key (each key's row read once per block), and each row's maximum.
   int64_t start = 0;
   for (int64_t j = 0; j < m; ++j) {
     const int64_t end = b.kend[j];
@@ -745,7 +827,6 @@ static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const
     }
     start = end;
   }
-  // Weights and the weighted sums of the values, key by key.
   start = 0;
   for (int64_t j = 0; j < m; ++j) {
     const int64_t end = b.kend[j];
@@ -761,6 +842,39 @@ static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const
     }
     start = end;
   }
+}
+
+template <int64_t V>
+using Int = std::integral_constant<int64_t, V>;
+
+// fn(Int<d>, Int<dv>, Int<kc>) with the sizes as compile-time constants where they are
+// common ones (head widths 32 and 64 with 128 clusters), else Int<0>s.
+template <class F>
+static void dispatch_sizes(const Dims& D, F&& fn) {
+  if (D.d == 32 && D.dv == 32 && D.kc == 128) return fn(Int<32>{}, Int<32>{}, Int<128>{});
+  if (D.d == 64 && D.dv == 64 && D.kc == 128) return fn(Int<64>{}, Int<64>{}, Int<128>{});
+  if (D.d == 16 && D.dv == 16 && D.kc == 128) return fn(Int<16>{}, Int<16>{}, Int<128>{});
+  return fn(Int<0>{}, Int<0>{}, Int<0>{});
+}
+
+struct FwdOut {
+  float *out, *lse;
+};
+
+static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
+                             int64_t r0, int64_t r1, FwdOut o) {
+  const int64_t d = D.d, dv = D.dv, rows = r1 - r0;
+  const int64_t edges = sample_block(D, O, g, t, b, r0, r1);
+  sort_by_key(D, b, rows);
+  PhaseTimer timer(kAttendForward);
+  const float inv = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t acc_w = std::max(d, dv);
+  std::fill(b.rmax, b.rmax + rows, -INFINITY);
+  std::fill(b.rl, b.rl + rows, 0.0f);
+  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
+  dispatch_sizes(D, [&](auto cd, auto cdv, auto ckc) {
+    forward_keys<decltype(cd)::value, decltype(cdv)::value, decltype(ckc)::value>(D, O, g, b, r0, inv);
+  });
   for (int64_t lr = 0; lr < rows; ++lr) {
     float* out = o.out + (r0 + lr) * dv;
     if (b.rl[lr] > 0.0f) {
@@ -782,20 +896,15 @@ struct BwdIo {
   float *dk, *dv, *dz;  // key-side gradients (the graph's outputs or an accumulator)
 };
 
-static void backward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
-                           int64_t r0, int64_t r1, const BwdIo& io) {
-  const int64_t d = D.d, dv = D.dv, kc = D.kc, m = D.m, rows = r1 - r0;
-  sample_block(D, O, g, t, b, r0, r1);
-  sort_by_key(D, b, rows);
-  const float inv = 1.0f / std::sqrt(static_cast<float>(d));
+// A block's backward attention and straight-through gradients, key by key: each key's
+// k, v and z rows read once, its dk, dv, dz summed over its edges and added once; each
+// edge's row-side terms into the block's row accumulators. CD, CDV, CKC as in
+// forward_keys.
+template <int64_t CD, int64_t CDV, int64_t CKC>
+static void backward_keys(const Dims& D, const Opts& O, const Graph& g, Block& b, int64_t r0, const BwdIo& io,
+                          float inv) {
+  const int64_t d = CD ? CD : D.d, dv = CDV ? CDV : D.dv, kc = CKC ? CKC : D.kc, m = D.m;
   const int64_t acc_w = std::max(d, dv);
-  for (int64_t lr = 0; lr < rows; ++lr) {
-    const int64_t i = r0 + lr;
-    b.rlse[lr] = io.lse[i];
-    b.rD[lr] = dot(io.dout + i * dv, io.out + i * dv, dv);
-  }
-  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
-  std::fill(b.rdys, b.rdys + rows * kc, 0.0f);
   float *dk_j = b.kacc, *dv_j = b.kacc + d, *dz_j = b.kacc + d + dv;
   int64_t start = 0;
   for (int64_t j = 0; j < m; ++j) {
@@ -839,6 +948,26 @@ static void backward_block(const Dims& D, const Opts& O, const Graph& g, const T
     axpy(1.0f, dz_j, io.dz + j * kc, kc);
     start = end;
   }
+}
+
+static void backward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
+                           int64_t r0, int64_t r1, const BwdIo& io) {
+  const int64_t d = D.d, dv = D.dv, kc = D.kc, m = D.m, rows = r1 - r0;
+  sample_block(D, O, g, t, b, r0, r1);
+  sort_by_key(D, b, rows);
+  PhaseTimer timer(kAttendBackward);
+  const float inv = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t acc_w = std::max(d, dv);
+  for (int64_t lr = 0; lr < rows; ++lr) {
+    const int64_t i = r0 + lr;
+    b.rlse[lr] = io.lse[i];
+    b.rD[lr] = dot(io.dout + i * dv, io.out + i * dv, dv);
+  }
+  std::fill(b.racc, b.racc + rows * acc_w, 0.0f);
+  std::fill(b.rdys, b.rdys + rows * kc, 0.0f);
+  dispatch_sizes(D, [&](auto cd, auto cdv, auto ckc) {
+    backward_keys<decltype(cd)::value, decltype(cdv)::value, decltype(ckc)::value>(D, O, g, b, r0, io, inv);
+  });
   if (O.ste == kStePairs && t.mreal > 0) {
     // Absent pairs, from probes drawn uniformly from the real keys (every key once when
     // the probes are at least the keys): the gain of adding the pair to its row.
@@ -960,7 +1089,7 @@ static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& 
     }
     const Graph g = graph_at(D, in, g0);
     build_tables(D, g, sc.slots[0].t);
-    const std::vector<int64_t> starts = block_starts(D, O, g);
+    const std::vector<int64_t> starts = block_starts(D, O, g, sc.slots[0].t);
     const int64_t nblocks = static_cast<int64_t>(starts.size()) - 1;
     std::atomic<int64_t> next{0};
     on_threads(threads, [&](int t) {
@@ -980,7 +1109,7 @@ static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* o
   auto whole = [&](int64_t gi, Slot& s) {
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g);
+    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
     int64_t total = 0;
     for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
       total += forward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], fout(gi));
@@ -1018,7 +1147,7 @@ static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const f
     zero_keys(io.dz, m * kc);
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g);
+    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
     for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
       backward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], io);
   };
@@ -1140,7 +1269,8 @@ static ffi::Error FusedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
             ys.typed_data<float>(), z.typed_data<float>(),    c.typed_data<float>(),
             delta.typed_data<float>(), counts.typed_data<int32_t>(), qmask.typed_data<uint8_t>(),
             kmask.typed_data<uint8_t>(), seeds.typed_data<uint32_t>(), dseeds.typed_data<uint32_t>()};
-  Scratch sc(D, O.threads, false);
+  // The same scratch as the backward call's, so the two share the pool's blocks.
+  Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
   forward_all(D, O, in, out->typed_data<float>(), lse->typed_data<float>(), edges->typed_data<int32_t>(), sc);
   return ffi::Error::Success();
@@ -1208,7 +1338,7 @@ static ffi::Error FusedGraph(ffi::AnyBuffer ys, ffi::AnyBuffer z, ffi::AnyBuffer
   for (int64_t gi = 0; gi < D.G; ++gi) {
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g);
+    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
     for (size_t blk = 0; blk + 1 < starts.size(); ++blk) {
       const int64_t r0 = starts[blk], r1 = starts[blk + 1];
       sample_block(D, O, g, s.t, s.b, r0, r1);
@@ -1288,10 +1418,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedGraph, FusedGraph,
                                   .Attr<int64_t>("forced_half")
                                   .Ret<ffi::AnyBuffer>());  // mask
 
+// Phase timers: start (on != 0) or stop them, and read the nanoseconds summed over
+// threads since the last read into out[kPhases] (tables, draws incl. resolve, resolve,
+// collapse and thinning, key sort, forward attention, backward attention).
+extern "C" void SbmFusedPhaseNanos(int64_t on, int64_t* out) {
+  g_timing.store(on != 0);
+  for (int p = 0; p < kPhases; ++p) out[p] = g_phase_ns[p].exchange(0);
+}
+
 // Bytes of scratch one call holds (per thread, times threads), for memory accounting.
 extern "C" int64_t SbmFusedScratchBytes(int64_t G, int64_t n, int64_t m, int64_t d, int64_t dv,
                                         int64_t kc, int64_t threads, int64_t backward) {
+  (void)backward;  // forward and backward calls hold the same scratch
   Dims D{G, n, m, d, dv, kc};
   const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, std::max<int64_t>(1, G * n))));
-  return static_cast<int64_t>(slot_bytes(D, backward && needs_acc(D, t)) * t);
+  return static_cast<int64_t>(slot_bytes(D, needs_acc(D, t)) * t);
 }
