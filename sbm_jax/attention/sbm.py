@@ -44,7 +44,6 @@ from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, pr
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
 from sbm_jax.fastrg import (
-    BERNOULLI_MAX_BOUND,
     PREFIX_STEPS,
     THIN_BUDGET,
     SamplingPlan,
@@ -57,7 +56,6 @@ from sbm_jax.fastrg import (
     sample_edge_keys,
 )
 from sbm_jax.kernels import KERNELS
-from sbm_jax.kernels.cost import edge_cost as calibrated_edge_cost
 from sbm_jax.kernels.cost import resolve_kernel, sparse_buckets_worth_it
 from sbm_jax.kernels.dense import streamed_sbm_attention
 from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, expected_pair_sum, with_absent_pairs
