@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import sbm_jax.fastrg as fr
+import sbm_jax.fastrg.sampler as sampler
+import sbm_jax.ste as ste
 from sbm_jax import EdgeList, dense_masked_attention
 from sbm_jax._loops import shared_trip_count
 from sbm_jax.kernels import rows_edge_attention
@@ -134,8 +136,8 @@ def test_straight_through_backward_under_vmap_with_chunks_per_graph(chunk, monke
         rows[h, :size], cols[h, :size] = keys // m, keys % m
         valid[h, :size] = True
     w = rng.normal(size=(heads, cap)).astype(np.float32)
-    monkeypatch.setattr(fr, "STE_CHUNK", chunk)  # read when jit traces
-    monkeypatch.setattr(fr, "EDGE_PROB_CHUNK", chunk)
+    monkeypatch.setattr(ste, "STE_CHUNK", chunk)  # read when jit traces
+    monkeypatch.setattr(ste, "STE_CHUNK_ACCELERATOR", chunk)
 
     def loss(ys, z):
         s = jax.vmap(edge_probs_straight_through)(ys, z, rows, cols, valid)
@@ -154,7 +156,7 @@ def test_straight_through_backward_under_vmap_with_chunks_per_graph(chunk, monke
 def test_sampler_under_vmap_draws_what_each_graph_draws_alone(monkeypatch):
     # fastRG's streamed searches stop at each graph's draw count; under vmap at the
     # largest. The keys must be those of each graph sampled alone, bit for bit.
-    monkeypatch.setattr(fr, "SEARCH_CHUNK", 8)  # read when jit traces
+    monkeypatch.setattr(sampler, "SEARCH_CHUNK", 8)  # read when jit traces
     rng = np.random.default_rng(5)
     n, m, k, cap = 16, 15, 3, 96
     plans, counts = [], []

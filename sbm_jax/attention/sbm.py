@@ -49,7 +49,6 @@ from sbm_jax.fastrg import (
     THIN_BUDGET,
     SamplingPlan,
     check_law,
-    edge_probs_straight_through,
     edges_from_keys,
     make_plan,
     needs_dense,
@@ -67,7 +66,7 @@ from sbm_jax.kernels.streamed import (
     default_stream_rows,
     streamed_graphs,
 )
-from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
+from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms, edge_probs_straight_through
 
 IMPLS = ("auto", "sparse", "dense", "streamed")
 
