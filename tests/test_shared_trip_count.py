@@ -188,7 +188,9 @@ def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
     monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: None)
     sbm_mod._sbm_attention_core.clear_cache()  # no trace from before the patch
     try:
-        layer = get_attention("sbm")(num_heads=2, head_dim=8, num_clusters=4, impl="sparse")
+        layer = get_attention("sbm")(
+            num_heads=2, head_dim=8, num_clusters=4, impl="sparse", kernel="rows"
+        )
         x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 16))
         rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
         params = layer.init(rngs, x)["params"]
