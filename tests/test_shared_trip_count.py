@@ -182,11 +182,11 @@ def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
     # The whole SBM layer under grad, its graphs in one vmap as on GPU and TPU. Only the
     # inverse-CDF bisections may loop "until every graph is done" (their cond reduces a
     # batched predicate with reduce_or); a loop counting blocks or chunks must not.
-    import sbm_jax.attention.sbm as sbm_mod
+    import sbm_jax.attention.sbm_core as sbm_core  # the module whose core reads it
     from sbm_jax.attention import get_attention
 
-    monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: None)
-    sbm_mod._sbm_attention_core.clear_cache()  # no trace from before the patch
+    monkeypatch.setattr(sbm_core, "sparse_heads_per_step", lambda backend=None: None)
+    sbm_core._sbm_attention_core.clear_cache()  # no trace from before the patch
     try:
         layer = get_attention("sbm")(
             num_heads=2, head_dim=8, num_clusters=4, impl="sparse", kernel="rows"
@@ -201,5 +201,5 @@ def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
 
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x).jaxpr
     finally:
-        sbm_mod._sbm_attention_core.clear_cache()
+        sbm_core._sbm_attention_core.clear_cache()
     _assert_trip_counts_unbatched(jaxpr, at_least=4)  # the kernel, STE and sampler loops
