@@ -95,9 +95,8 @@ def edge_logit_terms(m_ste: jax.Array, ste: str) -> dict[str, jax.Array]:
 
 
 #: Slots per chunk of the straight-through estimator's backward pass on CPU (two
-#: ``[chunk, k]`` gathers and scatter-adds): 1024 kept them in a 2-core CPU's L2 and
-#: took 40-41 ms per graph against 44-45 ms at 4096 (n=4096, 5%, k=128). Accelerators,
-#: where each loop step costs kernel launches, keep :data:`STE_CHUNK_ACCELERATOR`.
+#: ``[chunk, k]`` gathers and scatter-adds): 1024 keeps them in a CPU's L2. Accelerators,
+#: where each loop step costs kernel launches, take :data:`STE_CHUNK_ACCELERATOR`.
 STE_CHUNK = 1024
 #: The same off the CPU: the sampler's chunk (:data:`sbm_jax.fastrg.EDGE_PROB_CHUNK`).
 STE_CHUNK_ACCELERATOR = 4096

@@ -210,9 +210,8 @@ def sparse_heads_per_step(backend: str | None = None) -> int | None:
 
     ``None`` (all of them, one ``vmap``) on accelerators, which want wide batched
     gathers; ``1`` on CPU, where a ``vmap`` over heads multiplies every streamed block's
-    temporaries by ``B*H`` and pushes them out of cache: measured on a 2-core x86 CPU
-    (n=2048, B*H=4, capacity n^2/16, fwd+bwd), the ``rows`` kernel took 246 ms under
-    ``vmap`` and 114 ms one head at a time, fastRG 276 ms and 202 ms.
+    temporaries by ``B*H`` and pushes them out of cache, which made the kernel and fastRG
+    slower there.
     """
     backend = jax.default_backend() if backend is None else backend
     return 1 if backend == "cpu" else None
@@ -286,8 +285,7 @@ def sbm_attention_core(
 
     The body runs under one ``jax.jit`` whose static argument is the options object:
     called eagerly, as ``model.init`` and ``model.apply`` are in a notebook, it then
-    compiles as one program instead of several hundred single operations (on CPU,
-    ``SBMAttention.init`` at n=64 took 24 s op by op, 6 s as one program). Under an
+    compiles as one program instead of several hundred single operations. Under an
     outer ``jit`` it is inlined like any other function.
     """
     if options is None:
@@ -393,9 +391,7 @@ def _bucketed_core(
         # the backward pass rebuilds a head's edge list inside that head's iteration;
         # with the branch-level checkpoint alone, the rematerialised scan stacked every
         # head's [C] residuals (edge list, layout) over the heads. Per branch: the switch
-        # then carries only the named values. Measured at n=4096, 5% (B=2, H=2, fwd+bwd,
-        # CPU): 0.80 -> 0.68 of the full layer's time; n=32768, 1%, B=1: temp 1.74 ->
-        # 1.43 GiB.
+        # then carries only the named values.
         def branch(c):
             head = partial(_sparse_head, options=o, capacity=c, **sampling)
             per_head = jax.checkpoint(head, policy=SPARSE_BRANCH_POLICY)
@@ -411,8 +407,7 @@ def _bucketed_core(
             # path's own stacked residuals ([B*H, n, k] Y S and Z among them), and every
             # sparse branch had to fill them with zeros: lax.switch gives each branch
             # the union of all branches' residuals. Same outputs and gradients bit for
-            # bit; compiled temp, B=2, H=2: n=4096 5% 172.3 -> 137.2 MiB, n=1024 38.0
-            # -> 32.5, density 0.9 at n=2048 73.1 -> 62.1.
+            # bit, in less memory.
             branches.append(jax.checkpoint(dense_fn, policy=SPARSE_BRANCH_POLICY))
         else:
             path = jnp.minimum(path, len(caps) - 1)

@@ -163,8 +163,7 @@ def row_max_bound(ys: jax.Array, zk: jax.Array) -> jax.Array:
     The smaller of two bounds, each exact for nonnegative memberships: the per-cluster
     maximum ``ys_i . max_j zk_j`` (tight when memberships are peaked) and Cauchy-Schwarz
     ``|ys_i| max_j |zk_j|`` (tight when every key's memberships point the same way, as
-    they do early in training: on the benchmark's plans ``max_j p_ij`` is 1.2x below it
-    and 3.2x below the first, so the oversampling draws ~7% fewer pairs). Masked keys
+    they do early in training). Masked keys
     have zero memberships and never raise either bound.
     """
     by_cluster = ys @ jnp.max(zk, axis=0)

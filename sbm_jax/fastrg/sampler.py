@@ -35,8 +35,8 @@ from sbm_jax.fastrg.search import (
 from sbm_jax.graph import EdgeList
 
 # Slots per streamed chunk in the sampler: gathering [C, k] memberships at once
-# materialises ~1 KB per edge (k=128) and was ~10x slower on CPU than chunks of this
-# size; the inverse-CDF searches likewise keep their bounds in cache.
+# materialises ~1 KB per edge (k=128), which leaves the cache; chunks of this size stay
+# in it, and the inverse-CDF searches likewise keep their bounds in cache.
 EDGE_PROB_CHUNK = 4096
 
 #: Slots per streamed chunk of the inverse-CDF searches (no ``[C, k]`` gathers there).
@@ -155,16 +155,16 @@ def _thin(
 
 
 def _uniform(key: jax.Array, size: int) -> jax.Array:
-    # threefry makes its bits in pairs: an odd count took 5-9x longer on CPU (15.2 vs
-    # 1.8 ms for ~839k floats), so draw an even count and drop the last one. JAX's own
-    # uniforms here, not sbm_jax._random's (same bits): for this one array over all the
-    # slots, fed to three consumers, the unrolled hash made fastRG (bernoulli) 1.03-1.05x
-    # slower on CPU, with or without an optimization barrier (its rolled loop: 0.90x).
+    # threefry makes its bits in pairs: an odd count took several times longer on CPU,
+    # so draw an even count and drop the last one. JAX's own uniforms here, not
+    # sbm_jax._random's (same bits): for this one array over all the slots, fed to three
+    # consumers, the unrolled hash made fastRG slower on CPU, with or without an
+    # optimization barrier.
     return jax.random.uniform(key, (size + size % 2,))[:size]
 
 
 def _sort_keys(keys: jax.Array) -> jax.Array:
-    # Integer keys: stability is meaningless, and the unstable sort is ~10% faster.
+    # Integer keys: stability is meaningless, and the unstable sort is faster.
     return jax.lax.sort(keys, is_stable=False)
 
 
@@ -239,18 +239,14 @@ def _slot_rows(row_counts: jax.Array, capacity: int) -> jax.Array:
 #: thinning, compaction) chooses from when the layer samples one graph at a time: the
 #: smallest that holds every draw runs (``lax.switch``), so that this work follows the
 #: draws more closely than the capacity bucket does (the buckets are 4x apart: a bucket
-#: may hold 4x more slots than draws). Measured on a 2-core CPU, n=4096, B=2, H=2, the
-#: whole layer fwd+bwd with its defaults: at 2% density (~340k draws per graph in a
-#: bucket of 1M slots) 0.88 of the time with one prefix (median of 21 per-round
-#: ratios); at 5% (83% of the bucket filled) no change; compiled temp memory 205 ->
-#: 195 MiB; compilation 12 -> 15 s. Four prefixes saved no more at 2% and took 18 s to
-#: compile.
+#: may hold 4x more slots than draws). Two prefixes pay for their extra compilation on
+#: sparse batches; more saved no more.
 PREFIX_STEPS = 2
 #: The prefix sizes below the capacity are multiples of this.
 PREFIX_ALIGN = 8192
 #: Capacities below this are not cut: sorting and thinning all of their slots costs a few
-#: ms per graph, and each prefix compiles the sort, thinning and compaction once more
-#: (n=1024, 5%, a bucket of 65536 slots: compilation 12 -> 19 s for no gain).
+#: ms per graph, and each prefix compiles the sort, thinning and compaction once more,
+#: for no gain at these sizes.
 PREFIX_MIN_CAPACITY = 2**18
 
 

@@ -23,10 +23,10 @@ CDF_METHODS = ("scan", "parallel")
 
 def cdf_method() -> str:
     """:func:`weight_cdf`'s method on the default backend: ``"scan"`` on CPU, where the
-    sequential loops ran faster in the fused layer (measured on a 2-core CPU, see
-    :func:`weight_cdf`); ``"parallel"`` on GPU and TPU, where each of a loop's ~130-260
-    steps would cost the device a dependent step (on a GPU, a kernel launch and a
-    predicate read back per step) for a few thousand additions each."""
+    sequential loops ran faster in the fused layer; ``"parallel"`` on GPU and TPU, where
+    each of a loop's ~130-260 steps would cost the device a dependent step (on a GPU, a
+    kernel launch and a predicate read back per step) for a few thousand additions
+    each."""
     return "scan" if jax.default_backend() == "cpu" else "parallel"
 
 
@@ -36,11 +36,9 @@ def weight_cdf(w: jax.Array, axis: int, method: str | None = None) -> jax.Array:
 
     ``jnp.cumsum`` gives neither: XLA rewrites a long cumulative sum into blocks whose
     offsets come from a second, recursive scan, so at a block boundary a prefix can round
-    an ulp below the one before it, or an ulp above it across a zero weight. On plans
-    with n=m=4096 and a quarter of the keys padding, ~35 padded keys per plan carried
-    mass (up to 7e-8 of their cluster): at millions of draws per step, a padded key
-    would now and then have been drawn as an edge, and the guide tables' counting
-    assumes a nondecreasing CDF.
+    an ulp below the one before it, or an ulp above it across a zero weight. A padded key
+    then carries mass, and at millions of draws per step it would now and then be drawn
+    as an edge; and the guide tables' counting assumes a nondecreasing CDF.
 
     ``method`` (default :func:`cdf_method`):
 
@@ -49,9 +47,7 @@ def weight_cdf(w: jax.Array, axis: int, method: str | None = None) -> jax.Array:
       pass; longer ones in ``~sqrt(L)`` blocks, summed inside each block (all blocks at
       once) and offset by the sequential sum of the block totals, so the last entry of a
       block and the next block's offset are the same addition. ``L + 2 sqrt(L)`` steps'
-      work in ``~2 sqrt(L)`` steps: on a 2-core CPU the key CDFs of four plans at n=4096
-      took 4.5 ms against ``jnp.cumsum``'s 17 ms, the row CDFs (129 clusters) 5.5
-      against 7.4 (2026-11-29).
+      work in ``~2 sqrt(L)`` steps, which on CPU was faster than ``jnp.cumsum``.
     * ``"parallel"``: ``jnp.cumsum`` in whatever order the backend sums, then two exact
       fix-ups with running maxima (``lax.cummax``, no rounding): the running maximum of
       the sums makes them nondecreasing, and every entry takes the value at the last
@@ -130,16 +126,13 @@ def _guide_size(length: int, span: int) -> int:
 
 
 #: Keys per guide-table bucket in the in-cluster key search (see :func:`_guide_table`).
-#: With the bracket of three buckets in :func:`_search_guided`, 4 took fastRG from ~118 to
-#: ~104 ms per graph against 8 with a five-bucket bracket (n=4096, 5%, k=128, one
-#: process, alternating; 2 was no faster and doubles the table).
+#: With the bracket of three buckets in :func:`_search_guided`, 4 made fastRG faster than 8
+#: with a five-bucket bracket; 2 was no faster and doubles the table.
 GUIDE_SPAN = 4
 
 #: Clusters per guide-table bucket in the per-row key-cluster search. The row CDFs are
 #: short (``K = k + 1`` entries) but there is one per query row, and a plain binary search
-#: over them (``ceil(log2 K)`` dependent gathers per draw) was the sampler's largest cost:
-#: about 60 of 129 ms for ~839k draws at n=4096, k=128 on a 2-core x86 CPU, 13 ms with
-#: this guide (2026-11-27).
+#: over them (``ceil(log2 K)`` dependent gathers per draw) was the sampler's largest cost.
 ROW_GUIDE_SPAN = 2
 
 
@@ -158,8 +151,8 @@ def _guide_marks(cdf: jax.Array, span: int) -> jax.Array:
 def _guide_table(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
     """:func:`_guide_table_rows` of ``cdf`` ``[R, L]``, whose batch axes under ``vmap``
     become rows: the layer builds its plans under ``vmap`` over (example, head), and a
-    batched scatter-add indexes by tuple (``[B H R L, 3]`` int32 indices, built at a cost
-    of 2-3x the scatter itself); one scatter over ``B H R`` rows does not.
+    batched scatter-add indexes by tuple (``[B H R L, 3]`` int32 indices, dearer to build
+    than the scatter itself); one scatter over ``B H R`` rows does not.
     """
     return _guide_table_batched(span)(cdf)
 
@@ -196,8 +189,8 @@ def _guide_table_rows(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
     whenever ``total`` is a normal float32 (the estimate is then off by less than one;
     with a subnormal total, weight below 2^-126 in all, all but never drawn, it can be
     off by more, as :func:`_search_guided`'s bucket can). A batched binary search
-    (``jnp.searchsorted``) took 2-2.6x longer on CPU; a loop stepping until every entry
-    is exact, 3x longer under ``vmap``.
+    (``jnp.searchsorted``) and a loop stepping until every entry is exact were both
+    slower.
     """
     rows, length = cdf.shape
     g = _guide_size(length, span)
@@ -219,19 +212,17 @@ def _guide_table_rows(cdf: jax.Array, span: int = GUIDE_SPAN) -> jax.Array:
 
 
 #: Entries of the guide's bracket that :func:`_search_guided` reads in one contiguous
-#: gather before it falls back to bisection, in the in-cluster key search. On the
-#: benchmark's plans (n=4096, 5%, k=128) its brackets held 12 keys on average (p99 16,
-#: max 24). One window costs one cache miss per draw. The bisection it replaces cost ~5
-#: dependent gathers per draw, each missing again, because a chunk's 16384 draws touch
-#: more cache lines than L2 holds between two steps; and since the bisection runs until
-#: every bracket of a chunk has closed, one long bracket costs the whole chunk its
-#: steps, so the window covers the longest brackets, not the typical one. Both searches,
-#: 2^20 draws on one plan: 41 ms with these windows, 68 ms without (16 and 16: 64 ms).
+#: gather before it falls back to bisection, in the in-cluster key search. One window
+#: costs one cache miss per draw. The bisection it replaces cost ~5 dependent gathers per
+#: draw, each missing again, because a chunk's 16384 draws touch more cache lines than
+#: L2 holds between two steps; and since the bisection runs until every bracket of a
+#: chunk has closed, one long bracket costs the whole chunk its steps, so the window
+#: covers the longest brackets on the benchmark's plans, not the typical one.
 SEARCH_WINDOW = 32
 
-#: The same for the per-row key-cluster search (brackets of 6 clusters on average, p99
-#: 11). Its rows are sorted, so its bisection mostly hits the cache: a wider window
-#: costs more than the steps it saves (32: 46 ms against 41 ms above).
+#: The same for the per-row key-cluster search, whose brackets are shorter. Its rows are
+#: sorted, so its bisection mostly hits the cache: a wider window costs more than the
+#: steps it saves.
 ROW_SEARCH_WINDOW = 16
 
 
@@ -294,6 +285,5 @@ def _search_guided(
 
 def _int_cumsum(x: jax.Array) -> jax.Array:
     # Integer prefix sums along the last axis (exact in any order): a log-depth scan was
-    # ~2x faster than jnp.cumsum over ~1M slots on a 2-core CPU (2.9 vs 5.3 ms). The
-    # float CDFs need more care: see :func:`weight_cdf`.
+    # faster than jnp.cumsum on CPU. The float CDFs need more care: see weight_cdf.
     return jax.lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
