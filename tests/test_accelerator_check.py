@@ -49,7 +49,10 @@ def test_cpu_rehearsal_records_every_case(tmp_path):
             assert by[kind, dtype]["status"] == "ok" and by[kind, dtype]["ms"] > 0
         assert by["flex", dtype]["status"] in ("skipped", "ok")
     env = report["environment"]
-    assert env["backend"] == "cpu" and env["auto_kernel"] == "rows"
+    from sbm_jax.kernels.fused import fused_status
+
+    assert env["backend"] == "cpu"
+    assert env["auto_kernel"] == ("fused" if fused_status()[0] else "rows")  # the CPU kernel
     md = (tmp_path / "accelerator_table.md").read_text()
     assert md.count("\n| 1 | 2 | 8 | 64 |") == len(by)
     assert md.count("| not measured | <= ") == 3 * 3 + 3, "every target row, unmeasured here"

@@ -282,6 +282,7 @@ def test_edge_probs_straight_through_matches_autodiff_of_edge_probs():
     # Same gradients as straight_through(where(valid, edge_probs(...), 0)) by autodiff,
     # also when the slots span several streamed chunks.
     import sbm_jax.fastrg as fr
+    import sbm_jax.ste as ste  # the module whose STE_CHUNK the estimator reads
 
     ys, z, rows, cols, valid, w = _probs_case(1, heads=1, n=40, m=33, cap=300)
     ys, z, rows, cols, valid, w = (a[0] for a in (ys, z, rows, cols, valid, w))
@@ -295,12 +296,12 @@ def test_edge_probs_straight_through_matches_autodiff_of_edge_probs():
         return jnp.sum(fr.edge_probs_straight_through(ys, z, rows, cols, valid) * w)
 
     want = jax.jit(jax.grad(autodiff, argnums=(0, 1)))(ys, z)
-    old = fr.STE_CHUNK
+    old = ste.STE_CHUNK
     try:
-        fr.STE_CHUNK = 64  # 5 chunks, the last one padded (read when jit traces, here)
+        ste.STE_CHUNK = 64  # 5 chunks, the last one padded (read when jit traces, here)
         got = jax.jit(jax.grad(fast, argnums=(0, 1)))(ys, z)
     finally:
-        fr.STE_CHUNK = old
+        ste.STE_CHUNK = old
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -399,13 +400,14 @@ def test_prefix_steps_give_the_same_keys_bit_for_bit(monkeypatch):
     # draw (a lax.switch): the same keys as on all the slots, for totals below, on and
     # past each prefix size, past the capacity (overflow), with and without forced edges.
     import sbm_jax.fastrg as fr
+    import sbm_jax.fastrg.sampler as sampler  # the module whose constants prefix_sizes reads
     from sbm_jax.attention.sbm import forced_edge_keys
 
     q, s, k = _sbm(0.8)
     forced = forced_edge_keys(jnp.asarray(Q_MASK), jnp.asarray(K_MASK), self_loops=True, window=4)
     # (read when jit traces) prefixes of 112, 208, 304 and 400 slots
-    monkeypatch.setattr(fr, "PREFIX_ALIGN", 16)
-    monkeypatch.setattr(fr, "PREFIX_MIN_CAPACITY", 0)
+    monkeypatch.setattr(sampler, "PREFIX_ALIGN", 16)
+    monkeypatch.setattr(sampler, "PREFIX_MIN_CAPACITY", 0)
     assert fr.prefix_sizes(400, 4) == (112, 208, 304, 400)
     for law in ("bernoulli", "poisson"):
         plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law=law)
@@ -474,7 +476,7 @@ def _on_the_cut_points(total: float, length: int, span: int) -> np.ndarray:
 
 @pytest.mark.parametrize("span", [1, 3, ROW_GUIDE_SPAN, GUIDE_SPAN])
 def test_guide_table_is_a_search_of_each_cut_point(span):
-    from sbm_jax.fastrg import _guide_marks, _guide_table
+    from sbm_jax.fastrg.search import _guide_marks, _guide_table
 
     rng = np.random.default_rng(5)
     cases = np.concatenate(
@@ -501,7 +503,7 @@ def test_guide_table_is_a_search_of_each_cut_point(span):
 def test_guide_table_under_nested_vmap_is_the_table_of_each_row():
     """The layer builds its plans under vmap over (example, head); the guide's batching
     rule folds those axes into rows. Reference: numpy's search of each row's cut points."""
-    from sbm_jax.fastrg import _guide_marks, _guide_table
+    from sbm_jax.fastrg.search import _guide_marks, _guide_table
 
     rng = np.random.default_rng(11)
     weights = rng.random((2, 3, 5, 64)) ** 4
@@ -531,7 +533,7 @@ def test_guide_table_under_nested_vmap_is_the_table_of_each_row():
     + [(None, 0), (None, 1), (ROW_GUIDE_SPAN, 3)],
 )
 def test_guided_search_is_the_plain_inverse_cdf(span, window):
-    from sbm_jax.fastrg import _below, _guide_table, _search_guided
+    from sbm_jax.fastrg.search import _below, _guide_table, _search_guided
 
     cdf = jnp.asarray(_cdf_cases())
 
@@ -559,7 +561,7 @@ def test_guided_search_is_the_plain_inverse_cdf(span, window):
 
 
 def test_slot_rows_repeat_each_row_by_its_count():
-    from sbm_jax.fastrg import _slot_rows
+    from sbm_jax.fastrg.sampler import _slot_rows
 
     counts = np.array([0, 3, 0, 0, 2, 5, 0, 1], np.int32)
     n = counts.size
@@ -592,7 +594,7 @@ def test_split_count_is_multinomial_over_row_rates():
 @pytest.mark.parametrize("budget", [None, 0.4, 0.01])
 def test_thinning_matches_the_keep_probability_on_every_path(budget):
     # 0.4: the needed p_e fit the gathered slots; 0.01: they do not (full computation).
-    from sbm_jax.fastrg import _thin
+    from sbm_jax.fastrg.sampler import _thin
 
     q, s, k = _sbm(0.8)
     plan = _make_plan(q, s, k, delta=DELTA, q_mask=Q_MASK, k_mask=K_MASK, law="bernoulli")
@@ -696,7 +698,7 @@ def test_plan_gives_padded_keys_and_empty_clusters_no_mass(monkeypatch, method):
     must be exactly 0, or fastRG could draw it as an edge. With jnp.cumsum (XLA's
     blocked rewrite) ~30 padded keys per plan carried up to 7e-8 of their cluster.
     Both of weight_cdf's methods (the plan uses the backend's: see cdf_method)."""
-    monkeypatch.setattr(fastrg, "cdf_method", lambda: method)
+    monkeypatch.setattr(fastrg.search, "cdf_method", lambda: method)  # where weight_cdf reads it
     # A fresh jit: the module's _make_plan may have traced with the other method.
     plan_fn = jax.jit(lambda *a, **kw: make_plan(*a, **kw))
     rng = np.random.default_rng(3)

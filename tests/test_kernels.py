@@ -313,19 +313,21 @@ def test_layer_auto_path_keeps_the_buckets_the_calibrated_cost_model_keeps():
     # SBMAttention(edge_cost=None) means the calibration: plan_paths (the layer's static
     # path choice) must keep exactly the buckets whose slots cost less than n*m pairs at
     # EDGE_COST[backend][kernel], and an explicit edge_cost replaces that number.
-    from sbm_jax.attention.sbm import bucket_capacities, plan_paths
+    from sbm_jax.attention.sbm import SBMOptions, bucket_capacities, plan_paths
     from sbm_jax.kernels.cost import EDGE_COST
 
     n = 1000
     fractions = (1 / 64, 1 / 16, 1 / 4, 1 / 2)
     all_caps = bucket_capacities(fractions, n, n)
-    common = dict(batch=1, heads=1, length=n, capacity_buckets=fractions, impl="auto")
+    common = dict(batch=1, heads=1, length=n)
     for backend in ("cpu", "gpu"):
         for kernel in ("rows", "segment"):
             per_slot = EDGE_COST[backend][kernel]
-            caps, dense = plan_paths(**common, kernel=kernel, backend=backend)
+            options = SBMOptions(capacity_buckets=fractions, impl="auto", kernel=kernel)
+            caps, dense = plan_paths(options, **common, backend=backend)
             assert caps == tuple(c for c in all_caps if c * per_slot < n * n) and dense
-    assert plan_paths(**common, backend="cpu", edge_cost=3.0)[0] == all_caps[:3]
+    with_cost = SBMOptions(capacity_buckets=fractions, impl="auto", edge_cost=3.0)
+    assert plan_paths(with_cost, **common, backend="cpu")[0] == all_caps[:3]
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.0])

@@ -433,11 +433,11 @@ def fresh_core_traces():
     its traces by static options, so a trace made before a module function was
     monkeypatched (heads per step) would be reused here, and one made with the patch
     would be reused by later calls with the same options."""
-    import sbm_jax.attention.sbm as sbm_mod
+    import sbm_jax.attention.sbm_core as sbm_core
 
-    sbm_mod._sbm_attention_core.clear_cache()
+    sbm_core._sbm_attention_core.clear_cache()
     yield
-    sbm_mod._sbm_attention_core.clear_cache()
+    sbm_core._sbm_attention_core.clear_cache()
 
 
 @pytest.mark.parametrize(
@@ -470,9 +470,9 @@ def test_core_gradients_match_dense_reference_per_head(
     # only the edge keys for its backward pass. The reference estimator's cases zero two
     # query rows' memberships with delta = 0 (empty rows) and scale the cotangents up so
     # that the clip to [-1, 1] is active on many edges.
-    import sbm_jax.attention.sbm as sbm_mod
+    import sbm_jax.attention.sbm_core as sbm_core  # the module whose core reads it
 
-    monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: per_step)
+    monkeypatch.setattr(sbm_core, "sparse_heads_per_step", lambda backend=None: per_step)
     q, k, v, qm, blk, km, g, wd = _core_case()
     delta = 0.05
     if ste == "reference":
@@ -661,7 +661,7 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
 
 
 def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
-    from sbm_jax.attention.sbm import plan_paths
+    from sbm_jax.attention.sbm import SBMOptions, plan_paths
 
     # Module: neither a bucket (max_edge_slots) nor the dense path (max_dense_elements).
     mod = _module(max_dense_elements=10, max_edge_slots=100)
@@ -673,13 +673,22 @@ def test_no_path_fits_is_an_error_before_compilation_with_the_sizes():
 
     # A length whose n*m overflows the int32 edge keys, with the dense path ruled out.
     with pytest.raises(ValueError, match="length=50000"):
-        plan_paths(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,), max_dense_elements=0)
+        plan_paths(
+            SBMOptions(capacity_buckets=(0.01,), max_dense_elements=0),
+            batch=1,
+            heads=1,
+            length=50_000,
+        )
     # With the dense path allowed the same length runs dense (streamed), no bucket built.
-    big = dict(batch=1, heads=1, length=50_000, capacity_buckets=(0.01,))
-    assert plan_paths(**big, max_dense_elements=2**40) == ((), True)
+    big = dict(batch=1, heads=1, length=50_000)
+    opts = SBMOptions(capacity_buckets=(0.01,), max_dense_elements=2**40)
+    assert plan_paths(opts, **big) == ((), True)
     # max_edge_slots drops the buckets that do not fit, the largest first.
     caps, dense = plan_paths(
-        batch=1, heads=2, length=32768, capacity_buckets=(1 / 64, 1 / 16, 1 / 4), impl="sparse"
+        SBMOptions(capacity_buckets=(1 / 64, 1 / 16, 1 / 4), impl="sparse"),
+        batch=1,
+        heads=2,
+        length=32768,
     )
     assert caps == (32768**2 // 64,) and dense
 
@@ -689,15 +698,16 @@ def test_default_budgets_keep_the_dense_path_for_paper_presets():
     # is streamed (O(n d) memory per graph), so the module's default must not rule it out:
     # with only the 1/64 bucket under max_edge_slots, a graph at its initial ~25% density
     # would otherwise lose ~95% of its draws.
-    from sbm_jax.attention.sbm import plan_paths
+    from sbm_jax.attention.sbm import SBMOptions, plan_paths
 
     defaults = SBMAttention(num_heads=2, head_dim=32)
-    text = dict(batch=128, heads=2, length=3072, capacity_buckets=defaults.capacity_buckets)
+    text = dict(batch=128, heads=2, length=3072)
     limits = dict(
         max_dense_elements=defaults.max_dense_elements, max_edge_slots=defaults.max_edge_slots
     )
     assert 128 * 2 * 3072**2 > 2**31  # above the old default
-    caps, dense = plan_paths(**text, impl="sparse", **limits)
+    options = SBMOptions(capacity_buckets=defaults.capacity_buckets, impl="sparse", **limits)
+    caps, dense = plan_paths(options, **text)
     assert dense and caps == (3072**2 // 64,)  # the larger buckets are over max_edge_slots
 
 
@@ -705,12 +715,15 @@ def test_the_cost_model_counts_a_windows_forced_slots():
     # GLUE's window 64 at n=512 adds 65 forced slots per row to every sparse branch
     # (33,280 against the 1/64 bucket's 4,096); at 7.6 dense pairs per slot that branch
     # costs more than the dense path's 512^2 pairs, so "auto" must leave it out.
-    from sbm_jax.attention.sbm import plan_paths
+    from sbm_jax.attention.sbm import SBMOptions, plan_paths
 
-    shapes = dict(batch=2, heads=2, length=512, capacity_buckets=(1 / 64,), edge_cost=7.6)
-    assert plan_paths(**shapes) == ((512 * 512 // 64,), True)  # no window: sparse pays
+    shapes = dict(batch=2, heads=2, length=512)
+    options = SBMOptions(capacity_buckets=(1 / 64,), edge_cost=7.6)
+    assert plan_paths(options, **shapes) == ((512 * 512 // 64,), True)  # no window: sparse pays
     assert (512 * 512 // 64 + 65 * 512) * 7.6 > 512 * 512
-    assert plan_paths(**shapes, forced_per_row=65) == ((), True)
+    with_window = SBMOptions(capacity_buckets=(1 / 64,), edge_cost=7.6, window=64)
+    assert with_window.forced_per_row(512) == 65
+    assert plan_paths(with_window, **shapes) == ((), True)
 
 
 def test_a_window_wider_than_the_sequence_forces_every_pair_once():

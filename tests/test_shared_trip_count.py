@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import sbm_jax.fastrg as fr
+import sbm_jax.fastrg.sampler as sampler
+import sbm_jax.ste as ste
 from sbm_jax import EdgeList, dense_masked_attention
 from sbm_jax._loops import shared_trip_count
 from sbm_jax.kernels import rows_edge_attention
@@ -134,8 +136,8 @@ def test_straight_through_backward_under_vmap_with_chunks_per_graph(chunk, monke
         rows[h, :size], cols[h, :size] = keys // m, keys % m
         valid[h, :size] = True
     w = rng.normal(size=(heads, cap)).astype(np.float32)
-    monkeypatch.setattr(fr, "STE_CHUNK", chunk)  # read when jit traces
-    monkeypatch.setattr(fr, "EDGE_PROB_CHUNK", chunk)
+    monkeypatch.setattr(ste, "STE_CHUNK", chunk)  # read when jit traces
+    monkeypatch.setattr(ste, "STE_CHUNK_ACCELERATOR", chunk)
 
     def loss(ys, z):
         s = jax.vmap(edge_probs_straight_through)(ys, z, rows, cols, valid)
@@ -154,7 +156,7 @@ def test_straight_through_backward_under_vmap_with_chunks_per_graph(chunk, monke
 def test_sampler_under_vmap_draws_what_each_graph_draws_alone(monkeypatch):
     # fastRG's streamed searches stop at each graph's draw count; under vmap at the
     # largest. The keys must be those of each graph sampled alone, bit for bit.
-    monkeypatch.setattr(fr, "SEARCH_CHUNK", 8)  # read when jit traces
+    monkeypatch.setattr(sampler, "SEARCH_CHUNK", 8)  # read when jit traces
     rng = np.random.default_rng(5)
     n, m, k, cap = 16, 15, 3, 96
     plans, counts = [], []
@@ -180,13 +182,15 @@ def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
     # The whole SBM layer under grad, its graphs in one vmap as on GPU and TPU. Only the
     # inverse-CDF bisections may loop "until every graph is done" (their cond reduces a
     # batched predicate with reduce_or); a loop counting blocks or chunks must not.
-    import sbm_jax.attention.sbm as sbm_mod
+    import sbm_jax.attention.sbm_core as sbm_core  # the module whose core reads it
     from sbm_jax.attention import get_attention
 
-    monkeypatch.setattr(sbm_mod, "sparse_heads_per_step", lambda backend=None: None)
-    sbm_mod._sbm_attention_core.clear_cache()  # no trace from before the patch
+    monkeypatch.setattr(sbm_core, "sparse_heads_per_step", lambda backend=None: None)
+    sbm_core._sbm_attention_core.clear_cache()  # no trace from before the patch
     try:
-        layer = get_attention("sbm")(num_heads=2, head_dim=8, num_clusters=4, impl="sparse")
+        layer = get_attention("sbm")(
+            num_heads=2, head_dim=8, num_clusters=4, impl="sparse", kernel="rows"
+        )
         x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 16))
         rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
         params = layer.init(rngs, x)["params"]
@@ -197,5 +201,5 @@ def test_layer_on_accelerator_mapping_has_no_batched_trip_count(monkeypatch):
 
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x).jaxpr
     finally:
-        sbm_mod._sbm_attention_core.clear_cache()
+        sbm_core._sbm_attention_core.clear_cache()
     _assert_trip_counts_unbatched(jaxpr, at_least=4)  # the kernel, STE and sampler loops

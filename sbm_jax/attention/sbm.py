@@ -5,31 +5,28 @@ Per head: ``S = softmax(C C^T)`` over all ``k*k`` entries (eq. 5), memberships
 ``M ~ SBM(Qhat, S, Khat)`` drawn by fastRG (eq. 8), and softmax attention over the
 sampled edges whose scores carry the straight-through estimator of ``p`` (eq. 9).
 
-Path choice (outside any ``vmap``, one scalar for the whole batch): the Poisson draw
-counts are drawn first; the smallest capacity bucket that holds the largest count runs
-under ``lax.switch``; above the largest bucket (or where the bernoulli law's bound is
-too close to 1) the dense path runs, which samples the same law pair by pair, streamed
-over blocks of query rows (:mod:`sbm_jax.kernels.dense`: no ``n x m`` array in the
-forward or the backward pass). No edge is ever dropped unless the dense path was ruled
-out by ``max_dense_elements``; then the per-call ``overflow`` stat counts the graphs
-whose draws exceeded the largest bucket.
+This module is the Linen layer (:class:`SBMAttention`: parameters, projections,
+memberships, the stats it sows) and its registry formulas. The sampling and attention
+are the pure core, :func:`~sbm_jax.attention.sbm_core.sbm_attention_core`
+(:mod:`sbm_jax.attention.sbm_core`), which runs under the layer's
+:class:`~sbm_jax.attention.sbm_paths.SBMOptions` (:meth:`SBMAttention.core_options`)
+and chooses its paths statically from them (:mod:`sbm_jax.attention.sbm_paths`). Their
+names are re-exported here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
-from sbm_jax._scopes import MEMBERSHIPS, SAMPLE
-from sbm_jax._varying import vary_like
+from sbm_jax._scopes import MEMBERSHIPS
 from sbm_jax.attention._projections import (
     HEADS,
     KV,
@@ -42,847 +39,59 @@ from sbm_jax.attention._projections import (
 )
 from sbm_jax.attention.counting import SOFTMAX, edge_flops, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
-from sbm_jax.edge_ops import EDGE_KERNEL_RESIDUAL_NAMES, edge_attention
-from sbm_jax.fastrg import (
-    PREFIX_STEPS,
-    THIN_BUDGET,
-    SamplingPlan,
-    check_law,
-    edge_probs_straight_through,
-    edges_from_keys,
-    make_plan,
-    needs_dense,
-    row_max_bound,
-    sample_edge_keys,
+from sbm_jax.attention.sbm_core import (
+    SAVED_NAMES,
+    SPARSE_BRANCH_POLICY,
+    forced_edge_keys,
+    forced_edge_mask,
+    fused_draws,
+    map_over_heads,
+    sampler_options,
+    sbm_attention_core,
+    sparse_heads_per_step,
 )
-from sbm_jax.kernels import KERNELS
-from sbm_jax.kernels.cost import resolve_kernel, sparse_buckets_worth_it
-from sbm_jax.kernels.dense import streamed_sbm_attention
-from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES, expected_pair_sum, with_absent_pairs
-from sbm_jax.kernels.streamed import (
-    StreamConfig,
-    block_capacities,
-    default_stream_rows,
-    streamed_graphs,
+from sbm_jax.attention.sbm_paths import (
+    EDGE_KERNELS,
+    IMPLS,
+    NO_DENSE_LIMIT,
+    SBMOptions,
+    bucket_capacities,
+    choose_bucket,
+    choose_paths,
+    plan_fused,
+    plan_paths,
+    plan_stream,
 )
-from sbm_jax.ste import check_ste, clip_cotangent, edge_logit_terms
-
-IMPLS = ("auto", "sparse", "dense", "streamed")
-
-#: ``max_dense_elements``' default: no limit. The dense path is streamed over query
-#: blocks (O(n d) memory per graph, whatever ``batch*heads*n*m``), so only its O(n m)
-#: compute grows; ruling it out loses the draws above the largest bucket. (The old
-#: default, 2**31, came from when the dense path held ``[B, H, n, m]`` arrays, and cut
-#: the dense path from paper presets such as LRA Text, 128 x 2 x 3072^2 pairs, which
-#: then dropped most of their edges.)
-NO_DENSE_LIMIT = 2**62
-#: Edge kernels the sparse branches can use (``SBMAttention.kernel``); ``"fused"`` is the
-#: CPU kernel that samples and attends in one native call (:mod:`sbm_jax.kernels.fused`,
-#: no capacity buckets); ``"auto"`` is resolved per backend by
-#: :func:`sbm_jax.kernels.cost.resolve_kernel`.
-EDGE_KERNELS = ("segment", *KERNELS, "fused", "auto")
-
-
-def bucket_capacities(fractions: Sequence[float], n: int, m: int) -> tuple[int, ...]:
-    """Static slot counts ``ceil(f * n * m)`` for each capacity fraction ``f``."""
-    return tuple(max(1, math.ceil(f * n * m)) for f in fractions)
-
-
-def choose_bucket(
-    counts: jax.Array, capacities: Sequence[int], force_dense: jax.Array | bool = False
-) -> jax.Array:
-    """Index of the smallest capacity that holds ``max(counts)``; ``len(capacities)``
-    (the dense path) when none does or when ``force_dense``. One scalar for the batch."""
-    caps = jnp.asarray(capacities, jnp.int32)
-    idx = jnp.sum(caps < jnp.max(counts)).astype(jnp.int32)
-    return jnp.where(force_dense, len(capacities), idx)
-
-
-def _forced_half_width(self_loops: bool, window: int, length: int) -> int | None:
-    """Forced edges are the real pairs with ``|i - j| <= half``; None when there are none.
-
-    A window wider than the sequence forces every pair: ``half`` is capped at
-    ``length - 1``, so the forced slots per row (``2 half + 1``) never exceed what a row
-    can hold twice over (a larger window asked for memory for pairs that cannot exist)."""
-    if window > 0:
-        return min(window // 2, max(length - 1, 0))
-    return 0 if self_loops else None
-
-
-def _forced_per_row(self_loops: bool, window: int, length: int) -> int:
-    """Forced edges per query row (the slots each sparse branch adds for them)."""
-    half = _forced_half_width(self_loops, window, length)
-    return 0 if half is None else 2 * half + 1
-
-
-def forced_edge_keys(
-    q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
-) -> jax.Array | None:
-    """Keys ``row * m + col`` of the always-present edges (``n * m`` for none).
-
-    ``window > 0`` adds every real pair with ``|i - j| <= window // 2`` (self included);
-    ``self_loops`` adds ``(i, i)`` for real tokens.
-    """
-    n, m = q_mask.shape[0], k_mask.shape[0]
-    half = _forced_half_width(self_loops, window, max(n, m))
-    if half is None:
-        return None
-    offsets = jnp.arange(-half, half + 1)
-    i = jnp.arange(n)[:, None]
-    j = i + offsets[None, :]
-    ok = (j >= 0) & (j < m) & q_mask[:, None] & k_mask[jnp.clip(j, 0, m - 1)]
-    return jnp.where(ok, i * m + j, n * m).reshape(-1).astype(jnp.int32)
-
-
-def forced_edge_mask(
-    q_mask: jax.Array, k_mask: jax.Array, *, self_loops: bool, window: int
-) -> jax.Array | None:
-    """Dense ``[n, m]`` form of :func:`forced_edge_keys`."""
-    n, m = q_mask.shape[0], k_mask.shape[0]
-    half = _forced_half_width(self_loops, window, max(n, m))
-    if half is None:
-        return None
-    dist = jnp.abs(jnp.arange(n)[:, None] - jnp.arange(m)[None, :])
-    return (dist <= half) & q_mask[:, None] & k_mask[None, :]
-
-
-def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
-    return jnp.maximum(jnp.sum(q_mask) * jnp.sum(k_mask), 1).astype(jnp.float32)
-
-
-#: Names of the values a sparse branch keeps for its backward pass (see
-#: :data:`SPARSE_BRANCH_POLICY`): the sampled edge keys and the edge kernel's output and
-#: softmax statistics. Everything else (edge list, kernel layout, STE) is recomputed
-#: from them in O(C); fastRG and the attention forward run once per training step. The
-#: dense branch is checkpointed with the same policy: its streamed kernel tags its output
-#: and log-normaliser with the same names, and it has no edge keys.
-SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES)
-SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
-
-
-def _sparse_head(
-    key,
-    drop_key,
-    plan: SamplingPlan,
-    count,
-    q,
-    k,
-    v,
-    *,
-    capacity,
-    law,
-    self_loops,
-    window,
-    rate,
-    kernel="rows",
-    thin_budget=None,
-    prefix_steps=1,
-    ste="paper",
-    pair_probes=DEFAULT_PAIR_PROBES,
-):
-    n, m = plan.y.shape[0], plan.z.shape[0]
-    forced = forced_edge_keys(plan.q_mask, plan.k_mask, self_loops=self_loops, window=window)
-    keys = sample_edge_keys(
-        key,
-        plan,
-        count,
-        capacity=capacity,
-        law=law,
-        forced_keys=forced,
-        thin_budget=thin_budget,
-        prefix_steps=prefix_steps,
-    )
-    keys = checkpoint_name(keys, "sbm_edge_keys")
-    edges = edges_from_keys(keys, n, m)
-    real = _real_pairs(plan.q_mask, plan.k_mask)
-    # M_ste = straight_through(p_e) without p_e: ones forward, SpMM backward into ys and z;
-    # the released code's estimator clips its cotangent (attention + density) first.
-    m_ste = edge_probs_straight_through(plan.ys, plan.z, edges.rows, edges.cols, edges.valid)
-    if ste == "reference":
-        m_ste = clip_cotangent(m_ste)
-    out = edge_attention(
-        q,
-        k,
-        v,
-        edges,
-        **edge_logit_terms(m_ste, ste),
-        dropout_rate=rate,
-        dropout_rng=drop_key,
-        impl=kernel,
-        return_lse=ste == "pairs",
-    )
-    if ste == "pairs":
-        # Absent pairs, estimated from probe keys per row (sbm_jax.kernels.pairs), and the
-        # count's cotangent on every real pair (the gradient of the expected count).
-        out, lse = out
-        out, num = with_absent_pairs(
-            jax.random.fold_in(key, 1), q, k, v, out, lse, plan.ys, plan.z, keys,
-            plan.q_mask, plan.k_mask, probes=pair_probes,
-        )  # fmt: skip
-        density = num / real
-    else:
-        density = jnp.sum(jnp.where(edges.valid, m_ste, 0.0)) / real
-    return out, density, edges.num_edges, jnp.sum(count) > capacity
-
-
-def _dense_head(
-    key, drop_key, plan: SamplingPlan, count, q, k, v, *, law, self_loops, window, rate, ste
-):
-    # Streamed over blocks of query rows: p, mask, scores and weights exist one block at
-    # a time, forward and backward (sbm_jax.kernels.dense).
-    del count
-    kc = plan.ys.shape[1]
-    out, num = streamed_sbm_attention(
-        key,
-        q,
-        k,
-        v,
-        plan.ys,
-        plan.z[:, :kc],
-        plan.q_mask,
-        plan.k_mask,
-        plan.delta,
-        law=law,
-        ste=ste,
-        forced_half=_forced_half_width(self_loops, window, q.shape[-2]),
-        dropout_rate=rate,
-        dropout_rng=drop_key if rate > 0.0 else None,
-    )
-    density = num / _real_pairs(plan.q_mask, plan.k_mask)
-    edges = jax.lax.stop_gradient(num).astype(jnp.int32)
-    # (never overflows; varying like the rest inside jax.shard_map, as the switch needs)
-    return out, density, edges, vary_like(jnp.asarray(False), num)
-
-
-def _over_batch_and_heads(fn):
-    # fn(key, drop_key, plan, count, q, k, v) per (example, head); inputs carry [B, H].
-    return jax.vmap(jax.vmap(fn))
-
-
-def sparse_heads_per_step(backend: str | None = None) -> int | None:
-    """How many (example, head) graphs a sparse branch processes at once.
-
-    ``None`` (all of them, one ``vmap``) on accelerators, which want wide batched
-    gathers; ``1`` on CPU, where a ``vmap`` over heads multiplies every streamed block's
-    temporaries by ``B*H`` and pushes them out of cache: measured on a 2-core x86 CPU
-    (n=2048, B*H=4, capacity n^2/16, fwd+bwd), the ``rows`` kernel took 246 ms under
-    ``vmap`` and 114 ms one head at a time, fastRG 276 ms and 202 ms.
-    """
-    backend = jax.default_backend() if backend is None else backend
-    return 1 if backend == "cpu" else None
-
-
-def sampler_options(heads_per_step: int | None) -> dict[str, Any]:
-    """The options of :func:`~sbm_jax.fastrg.sample_edge_keys` for graphs sampled
-    ``heads_per_step`` at a time (:func:`sparse_heads_per_step`). One at a time, the
-    thinning's ``lax.cond`` and the prefix ``lax.switch`` really skip work; under
-    ``vmap`` (any batch of graphs) they would run every branch, so ``p_e`` is computed on
-    every slot and the sort runs on all of them."""
-    one_at_a_time = heads_per_step == 1
-    return dict(
-        thin_budget=THIN_BUDGET if one_at_a_time else None,
-        prefix_steps=PREFIX_STEPS if one_at_a_time else 1,
-    )
-
-
-def map_over_heads(fn, heads_per_step: int | None):
-    """Like :func:`_over_batch_and_heads`, but ``heads_per_step`` (example, head) pairs
-    at a time (``lax.map`` over the flattened ``B*H`` axis); ``None`` = all (``vmap``)."""
-    if heads_per_step is None:
-        return _over_batch_and_heads(fn)
-
-    def run(*operands):
-        batch, heads = operands[-1].shape[:2]  # v: [B, H, L, d]
-        flat = jax.tree.map(lambda a: a.reshape(batch * heads, *a.shape[2:]), operands)
-        # batch_size=1 would wrap fn in a vmap of one, under which a lax.cond runs both
-        # branches (the sampler's thinning relies on a real cond): map unbatched instead.
-        size = None if heads_per_step == 1 else heads_per_step
-        out = jax.lax.map(lambda ops: fn(*ops), flat, batch_size=size)
-        return jax.tree.map(lambda a: a.reshape(batch, heads, *a.shape[1:]), out)
-
-    return run
-
-
-def plan_paths(
-    *,
-    batch: int,
-    heads: int,
-    length: int,
-    capacity_buckets: Sequence[float],
-    impl: str = "auto",
-    kernel: str = "rows",
-    dense_below: int = 0,
-    edge_cost: float | None = None,
-    max_dense_elements: int = NO_DENSE_LIMIT,
-    max_edge_slots: int = 2**26,
-    forced_per_row: int = 0,
-    backend: str | None = None,
-) -> tuple[tuple[int, ...], bool]:
-    """Static path choice: ``(sparse capacities compiled, dense branch compiled)``.
-
-    ``impl="dense"`` compiles the dense branch only; ``"sparse"`` every bucket (and the
-    dense branch above them); ``"auto"`` also drops the buckets the cost model
-    (:func:`sbm_jax.kernels.cost.sparse_buckets_worth_it`, ``edge_cost`` overriding its
-    calibration) says cost more than the dense branch, and runs sequences with
-    ``n*m <= dense_below`` dense. The dense branch is compiled only when
-    ``batch*heads*n*m <= max_dense_elements``; a sparse bucket only when its slots over
-    the batch, ``batch*heads*(capacity + forced_per_row*n)``, are at most
-    ``max_edge_slots`` (a lax.switch reserves its largest branch's memory, ~20-30
-    bytes per slot) and ``n*m`` fits the int32 edge keys.
-
-    Raises a ValueError naming the fields and the sizes they would need, before anything
-    is compiled, when no path is left.
-    """
-    n = m = length
-    pairs = batch * heads * n * m
-    dense_allowed = pairs <= max_dense_elements
-    dense_hint = (
-        f"max_dense_elements={max_dense_elements} rules out the dense path, which needs "
-        f"max_dense_elements >= batch*heads*n*m = {pairs}"
-    )
-    if impl == "dense":
-        if not dense_allowed:
-            raise ValueError(f"impl='dense': {dense_hint}; raise it, or use impl='auto'")
-        return (), True
-    if n * m >= 2**31 - 1:  # sparse edge keys row * m + col are int32
-        if not dense_allowed:
-            raise ValueError(
-                f"length={length}: the sparse buckets' int32 edge keys need n*m < 2**31 - 1 "
-                f"(n*m = {n * m}), and {dense_hint}: raise max_dense_elements or shorten "
-                "the sequence"
-            )
-        return (), True
-    all_caps = bucket_capacities(capacity_buckets, n, m)
-    caps = tuple(c for c in all_caps if batch * heads * (c + forced_per_row * n) <= max_edge_slots)
-    if not caps and not dense_allowed:
-        need = batch * heads * (all_caps[0] + forced_per_row * n)
-        raise ValueError(
-            f"no path fits batch={batch}, length={length}: the smallest sparse bucket "
-            f"(capacity_buckets[0]={capacity_buckets[0]}) needs batch*heads*slots = {need} "
-            f"slots, over max_edge_slots={max_edge_slots}, and {dense_hint}; raise "
-            "max_edge_slots or max_dense_elements, or lower the batch or the length"
-        )
-    if impl == "auto" and dense_allowed:
-        if n * m <= dense_below:
-            return (), True
-        # a branch holds its bucket's slots plus the forced (window, self-loop) edges of
-        # every row; the dense branch gets those for free in its mask
-        worth = sparse_buckets_worth_it(
-            tuple(c + forced_per_row * n for c in caps),
-            n,
-            m,
-            kernel=kernel,
-            backend=backend,
-            slot_cost=edge_cost,
-        )
-        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)
-    return caps, dense_allowed
-
-
-def plan_stream(
-    *,
-    batch: int,
-    heads: int,
-    length: int,
-    capacity_buckets: Sequence[float],
-    stream_rows: int = 0,
-    stream_slots: int = 0,
-    kernel: str = "rows",
-    edge_cost: float | None = None,
-    max_dense_elements: int = NO_DENSE_LIMIT,
-    max_edge_slots: int = 2**26,
-    forced_per_row: int = 0,
-    backend: str | None = None,
-) -> tuple[int, tuple[int, ...], bool]:
-    """Static plan of ``impl="streamed"``: ``(block rows, per-block buffers, dense blocks)``.
-
-    ``stream_rows`` query rows per block (0: :func:`default_stream_rows`, ``bq * m``
-    near 2^20); the buffers are ``capacity_buckets``' fractions of a block's ``bq * m``
-    pairs, or the one buffer ``stream_slots`` when it is set, less those over
-    ``max_edge_slots`` or (with the cost model, ``edge_cost`` overriding its calibration)
-    dearer than the dense path on the block's rows. A block whose draws exceed the
-    largest buffer runs dense, unless ``batch*heads*n*m > max_dense_elements`` rules the
-    dense path out (then those draws are lost and ``overflow`` says so).
-
-    Raises a ValueError naming the field, before anything is compiled, when
-    ``stream_slots`` cannot hold one draw per row of a block (every block would run
-    dense) or when no path is left.
-    """
-    n = m = length
-    bq = default_stream_rows(n, m) if stream_rows == 0 else int(stream_rows)
-    bq = min(bq, max(1, n))
-    if bq * m >= 2**31 - 1:
-        raise ValueError(
-            f"stream_rows={stream_rows}: a block's int32 edge keys need rows * length < "
-            f"2**31 - 1 (here {bq} * {m}); lower stream_rows"
-        )
-    if stream_slots:
-        if stream_slots < bq:
-            raise ValueError(
-                f"stream_slots={stream_slots} is too small for a block of {bq} query rows "
-                f"(stream_rows={stream_rows}, 0 = automatic): it must hold at least one draw "
-                "per row, or every block would run dense"
-            )
-        caps = (int(stream_slots),)
-    else:
-        caps = block_capacities(capacity_buckets, bq, m)  # type: ignore[assignment]
-    dense_allowed = batch * heads * n * m <= max_dense_elements
-    caps = tuple(c for c in caps if c + forced_per_row * bq <= max_edge_slots)  # type: ignore[assignment]
-    if dense_allowed:
-        worth = sparse_buckets_worth_it(
-            tuple(c + forced_per_row * bq for c in caps),
-            bq,
-            m,
-            kernel=kernel,
-            backend=backend,
-            slot_cost=edge_cost,
-        )
-        caps = tuple(c for c, ok in zip(caps, worth, strict=True) if ok)  # type: ignore[assignment]
-    if not caps and not dense_allowed:
-        raise ValueError(
-            f"impl='streamed': no block buffer fits max_edge_slots={max_edge_slots} and "
-            f"max_dense_elements={max_dense_elements} rules out the dense blocks "
-            f"(batch*heads*n*m = {batch * heads * n * m}); raise one of them"
-        )
-    return bq, caps, dense_allowed
-
-
-def sbm_attention_core(
-    rng: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_memberships: jax.Array,
-    block: jax.Array,
-    k_memberships: jax.Array,
-    mask: jax.Array,
-    *,
-    delta: float | jax.Array,
-    law: str = "bernoulli",
-    capacity_buckets: Sequence[float] = (1 / 64, 1 / 16, 1 / 4),
-    impl: str = "auto",
-    self_loops: bool = False,
-    window: int = 0,
-    dense_below: int = 0,
-    edge_cost: float | None = None,
-    max_dense_elements: int = NO_DENSE_LIMIT,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    kernel: str = "rows",
-    ste: str = "paper",
-    max_edge_slots: int = 2**26,
-    pair_probes: int = DEFAULT_PAIR_PROBES,
-    stream_rows: int = 0,
-    stream_slots: int = 0,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Sample one graph per (example, head) and attend over it. Pure function.
-
-    Shapes: ``q, k, v [B, H, L, d]``, ``q_memberships, k_memberships [B, H, L, k]``,
-    ``block [H, k, k]``, ``mask [B, L]`` bool. Returns ``out [B, H, L, d]`` and stats:
-    ``density [B, H]`` (differentiable through the estimator ``ste``), ``edges [B, H]``,
-    ``overflow [B, H]`` bool (that graph's draws exceeded the largest bucket, so edges
-    were lost: only possible when ``max_dense_elements`` rules out the dense path),
-    ``path []`` (bucket index into ``capacity_buckets``; ``len(capacity_buckets)`` = the
-    dense path). See :func:`plan_paths` for the static path choice; ``impl="streamed"``
-    walks each graph in blocks of query rows instead (:func:`plan_stream`,
-    :mod:`sbm_jax.kernels.streamed`; ``stream_rows``, ``stream_slots``), and ``path`` is
-    then the largest per-block buffer index any block used.
-
-    The body runs under one ``jax.jit`` (the options above are its static arguments):
-    called eagerly, as ``model.init`` and ``model.apply`` are in a notebook, it then
-    compiles as one program instead of several hundred single operations (on CPU,
-    ``SBMAttention.init`` at n=64 took 24 s op by op, 6 s as one program). Under an
-    outer ``jit`` it is inlined like any other function.
-    """
-    check_law(law)
-    check_ste(ste)
-    kernel = resolve_kernel(kernel)  # "auto"; a GPU-only kernel refused elsewhere
-    return _sbm_attention_core(
-        rng,
-        q,
-        k,
-        v,
-        q_memberships,
-        block,
-        k_memberships,
-        mask,
-        delta=delta,
-        dropout_rng=dropout_rng,
-        law=law,
-        capacity_buckets=tuple(float(c) for c in capacity_buckets),
-        impl=impl,
-        self_loops=bool(self_loops),
-        window=int(window),
-        dense_below=int(dense_below),
-        edge_cost=None if edge_cost is None else float(edge_cost),
-        max_dense_elements=int(max_dense_elements),
-        dropout_rate=float(dropout_rate),
-        kernel=kernel,
-        ste=ste,
-        max_edge_slots=int(max_edge_slots),
-        pair_probes=int(pair_probes),
-        stream_rows=int(stream_rows),
-        stream_slots=int(stream_slots),
-    )
-
-
-_CORE_STATIC = (
-    "law",
-    "capacity_buckets",
-    "impl",
-    "self_loops",
-    "window",
-    "dense_below",
-    "edge_cost",
-    "max_dense_elements",
-    "dropout_rate",
-    "kernel",
-    "ste",
-    "max_edge_slots",
-    "pair_probes",
-    "stream_rows",
-    "stream_slots",
-)
-
-
-@partial(jax.jit, static_argnames=_CORE_STATIC)
-def _sbm_attention_core(
-    rng: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_memberships: jax.Array,
-    block: jax.Array,
-    k_memberships: jax.Array,
-    mask: jax.Array,
-    *,
-    delta: float | jax.Array,
-    dropout_rng: jax.Array | None,
-    law: str,
-    capacity_buckets: tuple[float, ...],
-    impl: str,
-    self_loops: bool,
-    window: int,
-    dense_below: int,
-    edge_cost: float | None,
-    max_dense_elements: int,
-    dropout_rate: float,
-    kernel: str,
-    ste: str,
-    max_edge_slots: int,
-    pair_probes: int,
-    stream_rows: int,
-    stream_slots: int,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    batch, heads, length, _ = q.shape
-    all_caps = bucket_capacities(capacity_buckets, length, length)
-    dense_index = len(all_caps)  # the recorded path of the dense branch
-    if kernel == "fused" and impl in ("auto", "sparse"):
-        return _fused_core(
-            rng, q, k, v, q_memberships, block, k_memberships, mask,
-            delta=delta, dropout_rng=dropout_rng, law=law, impl=impl,
-            self_loops=self_loops, window=window, dense_below=dense_below,
-            edge_cost=edge_cost, max_dense_elements=max_dense_elements,
-            dropout_rate=dropout_rate, ste=ste, pair_probes=pair_probes,
-            dense_index=dense_index,
-        )  # fmt: skip
-    if impl == "streamed":
-        return _streamed_core(
-            rng, q, k, v, q_memberships, block, k_memberships, mask,
-            delta=delta, dropout_rng=dropout_rng, law=law,
-            capacity_buckets=capacity_buckets, self_loops=self_loops, window=window,
-            edge_cost=edge_cost, max_dense_elements=max_dense_elements,
-            dropout_rate=dropout_rate, kernel=kernel, ste=ste,
-            max_edge_slots=max_edge_slots, pair_probes=pair_probes,
-            stream_rows=stream_rows, stream_slots=stream_slots,
-        )  # fmt: skip
-    if kernel == "fused":  # impl="dense": the dense path alone, which has no edge kernel
-        kernel = "rows"
-    caps, dense_allowed = plan_paths(
-        batch=batch,
-        heads=heads,
-        length=length,
-        capacity_buckets=capacity_buckets,
-        impl=impl,
-        kernel=kernel,
-        dense_below=dense_below,
-        edge_cost=edge_cost,
-        max_dense_elements=max_dense_elements,
-        max_edge_slots=max_edge_slots,
-        forced_per_row=_forced_per_row(self_loops, window, length),
-    )
-
-    def plan_one(qm, blk, km, qmask, kmask):
-        # No search tables here: each sparse head builds its own graph's (with_tables),
-        # so that on CPU, where the heads run one at a time, they exist for one graph at
-        # a time, not for all B*H of them across the sampling.
-        return make_plan(
-            qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law, tables=False
-        )
-
-    # The block matrix broadcast over the batch, as in the layer: Y S is then a product
-    # batched over (b, h) on both sides, with no transpose of Y around it.
-    per_example = jnp.broadcast_to(block, (batch, *block.shape))
-    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)))(
-        q_memberships, per_example, k_memberships, mask, mask
-    )
-
-    k_count, k_sample = jax.random.split(rng)
-    sample_keys = jax.random.split(k_sample, (batch, heads))
-    if dropout_rng is not None and dropout_rate > 0.0:
-        drop_keys = jax.random.split(dropout_rng, (batch, heads))
-        rate = dropout_rate
-    else:
-        drop_keys = sample_keys  # unused when rate == 0
-        rate = 0.0
-    common = dict(law=law, self_loops=self_loops, window=window, rate=rate, ste=ste)
-    per_step = sparse_heads_per_step()
-    dense_fn = map_over_heads(partial(_dense_head, **common), per_step)  # type: ignore[arg-type]
-
-    if not caps:  # the dense path only
-        # Draws per query row are not needed: the dense path draws pair by pair.
-        row_counts = jnp.zeros(plans.row_rate.shape, jnp.int32)
-        operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
-        out, density, edges, overflow = dense_fn(*operands)
-        path = jnp.asarray(dense_index, jnp.int32)
-    else:
-        # Draws per query row ([B, H, n]): the sampler fills its slots row by row.
-        with jax.named_scope(SAMPLE):
-            row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
-        counts = jnp.sum(row_counts, axis=-1)
-        operands = (sample_keys, drop_keys, plans, row_counts, q, k, v)
-        sampling = sampler_options(per_step)
-
-        # Checkpointed per head *and* per branch. Per head: the scan over heads keeps
-        # only each head's sampled keys (and the kernel's output and log-normaliser), and
-        # the backward pass rebuilds a head's edge list inside that head's iteration;
-        # with the branch-level checkpoint alone, the rematerialised scan stacked every
-        # head's [C] residuals (edge list, layout) over the heads. Per branch: the switch
-        # then carries only the named values. Measured at n=4096, 5% (B=2, H=2, fwd+bwd,
-        # CPU): 0.80 -> 0.68 of the full layer's time; n=32768, 1%, B=1: temp 1.74 ->
-        # 1.43 GiB.
-        def branch(c):
-            head = partial(
-                _sparse_head,
-                capacity=c,
-                kernel=kernel,
-                pair_probes=pair_probes,
-                **sampling,
-                **common,
-            )
-            per_head = jax.checkpoint(head, policy=SPARSE_BRANCH_POLICY)
-            return jax.checkpoint(map_over_heads(per_head, per_step), policy=SPARSE_BRANCH_POLICY)
-
-        branches = [branch(c) for c in caps]
-        force_dense = jnp.any(needs_dense(plans, law))
-        path = choose_bucket(counts, caps, force_dense)  # caps are a prefix of the buckets
-        if dense_allowed:
-            # Checkpointed too, keeping only the streamed kernel's output and
-            # log-normaliser (tagged like the edge kernels'), so that the backward pass
-            # does not run its forward again. Without it the switch carried the dense
-            # path's own stacked residuals ([B*H, n, k] Y S and Z among them), and every
-            # sparse branch had to fill them with zeros: lax.switch gives each branch
-            # the union of all branches' residuals. Same outputs and gradients bit for
-            # bit; compiled temp, B=2, H=2: n=4096 5% 172.3 -> 137.2 MiB, n=1024 38.0
-            # -> 32.5, density 0.9 at n=2048 73.1 -> 62.1.
-            branches.append(jax.checkpoint(dense_fn, policy=SPARSE_BRANCH_POLICY))
-        else:
-            path = jnp.minimum(path, len(caps) - 1)
-        out, density, edges, overflow = jax.lax.switch(
-            path, [lambda ops, f=f: f(*ops) for f in branches], operands
-        )
-    path = jnp.where(path == len(caps), dense_index, path)
-    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
-    return out, stats
-
-
-def _streamed_core(
-    rng, q, k, v, q_memberships, block, k_memberships, mask, *, delta, dropout_rng, law,
-    capacity_buckets, self_loops, window, edge_cost, max_dense_elements, dropout_rate,
-    kernel, ste, max_edge_slots, pair_probes, stream_rows, stream_slots,
-):  # fmt: skip
-    """``impl="streamed"``: every graph walked in blocks of query rows, each block drawn
-    into a small buffer and drawn again in the backward pass (:mod:`sbm_jax.kernels.streamed`).
-    Same plans, row counts and keys as the bucketed path up to the per-block folding."""
-    batch, heads, length, _ = q.shape
-    bq, caps, dense_allowed = plan_stream(
-        batch=batch,
-        heads=heads,
-        length=length,
-        capacity_buckets=capacity_buckets,
-        stream_rows=stream_rows,
-        stream_slots=stream_slots,
-        kernel="rows" if kernel in ("segment", "fused") else kernel,
-        edge_cost=edge_cost,
-        max_dense_elements=max_dense_elements,
-        max_edge_slots=max_edge_slots,
-        forced_per_row=_forced_per_row(self_loops, window, length),
-    )
-
-    def plan_one(qm, blk, km, qmask, kmask):
-        return make_plan(
-            qm, blk, km, delta=delta, q_mask=qmask, k_mask=kmask, law=law, tables=False
-        )
-
-    per_example = jnp.broadcast_to(block, (batch, *block.shape))
-    plans = jax.vmap(jax.vmap(plan_one, in_axes=(0, 0, 0, None, None)))(
-        q_memberships, per_example, k_memberships, mask, mask
-    )
-    k_count, k_sample = jax.random.split(rng)
-    sample_keys = jax.random.split(k_sample, (batch, heads))
-    rate = dropout_rate if dropout_rng is not None and dropout_rate > 0.0 else 0.0
-    drop_keys = jax.random.split(dropout_rng, (batch, heads)) if rate > 0.0 else sample_keys
-    with jax.named_scope(SAMPLE):
-        row_counts = jax.random.poisson(k_count, plans.row_rate).astype(jnp.int32)
-    force_dense = jax.vmap(jax.vmap(lambda p: needs_dense(p, law)))(plans)
-    half = _forced_half_width(self_loops, window, length)
-    cfg = StreamConfig(
-        block_rows=bq,
-        capacities=caps,
-        dense=dense_allowed,
-        law=law,
-        ste=ste,
-        forced_half=-1 if half is None else half,
-        dropout_rate=rate,
-        pair_probes=pair_probes,
-        thin_budget=THIN_BUDGET,
-    )
-    # One graph at a time on every backend: each block's lax.switch must really skip the
-    # branches it does not take (under vmap every branch would run).
-    run = map_over_heads(streamed_graphs(cfg), 1)
-    out, density_num, edges, overflow, path = run(
-        sample_keys, drop_keys, plans, row_counts, force_dense, q, k, v
-    )
-    density = density_num / jax.vmap(jax.vmap(lambda p: _real_pairs(p.q_mask, p.k_mask)))(plans)
-    # The recorded path: the largest buffer any block used, len(capacity_buckets) for dense.
-    dense_index = len(capacity_buckets)
-    path = jnp.max(path)
-    path = jnp.where(path >= len(caps), dense_index, path)
-    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
-    return out, stats
-
-
-def fused_draws(
-    rng: jax.Array,
-    ys: jax.Array,
-    zk: jax.Array,
-    mask: jax.Array,
-    delta: jax.Array,
-    law: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The fused path's sampling plan without search tables: ``(oversample, counts,
-    bound)``, ``[B, H, n]``, ``[B, H, n]`` int32 and ``[B, H]``.
-
-    ``ys [B, H, n, k]`` (``Y S``), ``zk [B, H, m, k]`` (the key memberships; padded keys
-    are left out here), ``mask [B, L]``. Row ``i`` draws ``Poisson(c_i sum_j (p_ij + delta))`` times
-    (:func:`sbm_jax.fastrg.make_plan`'s ``row_rate``), with the bernoulli law's per-row
-    oversampling ``c_i`` from the row bound ``q_i`` (:func:`~sbm_jax.fastrg.row_max_bound`
-    plus ``delta``; 1 under the poisson law). Everything is under ``stop_gradient``."""
-    f32 = jnp.float32
-    sg = jax.lax.stop_gradient
-    real = mask.astype(f32)[:, None, :]  # [B, 1, L]
-    ys, zk = sg(ys), jnp.where(real[..., None] > 0, sg(zk), 0.0)  # padded keys weigh 0
-    m_real = jnp.sum(real, axis=-1, keepdims=True)  # [B, 1, 1]
-    hi = jax.lax.Precision.HIGHEST
-    zsum = jnp.sum(zk, axis=2)  # [B, H, k]
-    row_total = (jnp.einsum("bhik,bhk->bhi", ys, zsum, precision=hi) + delta * m_real) * real
-    if law == "bernoulli":
-        bound = jax.vmap(jax.vmap(row_max_bound))(ys, zk)
-        row_bound = (bound + delta) * real * (m_real > 0)
-        safe = jnp.clip(row_bound, 1e-6, 1.0 - 1e-7)
-        oversample = jnp.where(row_bound > 1e-6, -jnp.log1p(-safe) / safe, 1.0)
-        graph_bound = jnp.max(row_bound, axis=-1)
-    else:
-        oversample = jnp.ones(row_total.shape, f32)
-        graph_bound = jnp.zeros(row_total.shape[:2], f32)
-    counts = jax.random.poisson(rng, oversample * row_total).astype(jnp.int32)
-    return oversample.astype(f32), counts, graph_bound
-
-
-def _fused_core(
-    rng, q, k, v, q_memberships, block, k_memberships, mask, *, delta, dropout_rng, law, impl,
-    self_loops, window, dense_below, edge_cost, max_dense_elements, dropout_rate, ste,
-    pair_probes, dense_index,
-):  # fmt: skip
-    """``kernel="fused"``: every graph sampled and attended in one native call per pass
-    (:mod:`sbm_jax.kernels.fused`), or, per batch, the dense path where the draws would
-    cost more than it (``impl="auto"``, the cost model of :mod:`sbm_jax.kernels.cost`) or
-    where the bernoulli bound is above :data:`~sbm_jax.fastrg.BERNOULLI_MAX_BOUND`. No
-    capacity: memory follows neither the draws nor a bucket, and no draw is ever lost."""
-    from sbm_jax.kernels.fused import FusedConfig, default_threads, fused_sbm_attention
-
-    batch, heads, length, _ = q.shape
-    n = m = length
-    f32 = jnp.float32
-    # Unmasked: neither path reads a padded row of Y S or a padded key's memberships (nor
-    # sends them gradient), and the plan masks what it sums. The block matrix is broadcast
-    # over the batch so that Y S is a product batched over (b, h) on both sides, with no
-    # transpose of Y around it.
-    zk = k_memberships.astype(f32)
-    per_example = jnp.broadcast_to(block.astype(f32), (batch, *block.shape))
-    ys = jnp.einsum("bhik,bhkl->bhil", q_memberships.astype(f32), per_example)
-    delta = jnp.asarray(delta, f32)
-    k_count, k_sample = jax.random.split(rng)
-    with jax.named_scope(SAMPLE):
-        oversample, counts, _ = fused_draws(k_count, ys, zk, mask, delta, law)
-    sample_keys = jax.random.split(k_sample, (batch, heads))
-    bits = jax.vmap(jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32)))
-    seeds = bits(sample_keys)
-    rate = dropout_rate if dropout_rng is not None and dropout_rate > 0.0 else 0.0
-    drop_keys = jax.random.split(dropout_rng, (batch, heads)) if rate > 0.0 else sample_keys
-    drop_seeds = bits(drop_keys) if rate > 0.0 else seeds
-    half = _forced_half_width(self_loops, window, length)
-    masks = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-    deltas = jnp.broadcast_to(delta, (batch, heads))
-    real_pairs = jnp.maximum(jnp.sum(mask, -1) ** 2, 1).astype(f32)[:, None]  # [B, 1]
-
-    def fused_branch(ops):
-        q, k, v, ys, zk, oversample, counts = ops
-        cfg = FusedConfig(
-            law=law,
-            forced_half=-1 if half is None else half,
-            dropout_rate=rate,
-            ste=ste,
-            probes=pair_probes,
-            threads=default_threads(),
-        )
-        out, num, edges = fused_sbm_attention(
-            cfg, seeds, drop_seeds, q, k, v, ys, zk, oversample, counts, masks, masks, deltas
-        )
-        if ste == "pairs":  # the count's cotangent on every real pair (closed form)
-            pair_sum = jax.vmap(jax.vmap(expected_pair_sum))(ys, zk, masks, masks)
-            num = num + pair_sum - jax.lax.stop_gradient(pair_sum)
-        return out, num / real_pairs, edges
-
-    def dense_branch(ops):
-        q, k, v, ys, zk, _, _ = ops  # the dense path masks padded rows and keys itself
-
-        def head(key, drop_key, q, k, v, ys, zk, qm, dl):
-            out, num = streamed_sbm_attention(
-                key, q, k, v, ys, zk, qm, qm, dl, law=law, ste=ste, forced_half=half,
-                dropout_rate=rate, dropout_rng=drop_key if rate > 0.0 else None,
-            )  # fmt: skip
-            return out, num
-
-        run = map_over_heads(head, sparse_heads_per_step())
-        out, num = run(sample_keys, drop_keys, q, k, v, ys, zk, masks, deltas)
-        return out, num / real_pairs, jax.lax.stop_gradient(num).astype(jnp.int32)
-
-    ops = (q, k, v, ys, zk, oversample, counts)
-    dense_allowed = batch * heads * n * m <= max_dense_elements
-    if impl == "auto" and dense_allowed and n * m <= dense_below:
-        out, density, edges = dense_branch(ops)
-        path = jnp.asarray(dense_index, jnp.int32)
-    else:
-        # No dense branch beside it: the kernel draws a row pair by pair itself where
-        # that is cheaper (many draws) or where the bernoulli oversampling would explode
-        # (a row bound above 0.995), with the same law, so no switch reserves the dense
-        # path's memory and every batch runs the kernel.
-        out, density, edges = fused_branch(ops)
-        path = jnp.asarray(0, jnp.int32)
-    overflow = jnp.zeros((batch, heads), bool)
-    stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
-    return out, stats
+from sbm_jax.kernels.pairs import DEFAULT_PAIR_PROBES
+
+__all__ = [
+    "CLUSTER_INITS",
+    "EDGE_KERNELS",
+    "IMPLS",
+    "MAPS_COLLECTION",
+    "NO_DENSE_LIMIT",
+    "SAVED_NAMES",
+    "SPARSE_BRANCH_POLICY",
+    "SBMAttention",
+    "SBMOptions",
+    "bucket_capacities",
+    "choose_bucket",
+    "choose_paths",
+    "cluster_initializer",
+    "expected_token_densities",
+    "forced_edge_keys",
+    "forced_edge_mask",
+    "fused_draws",
+    "map_over_heads",
+    "plan_fused",
+    "plan_paths",
+    "plan_stream",
+    "sampler_options",
+    "sbm_attention_core",
+    "sbm_flops",
+    "sbm_params",
+    "sparse_heads_per_step",
+]
 
 
 #: Collection the SBM layer sows its memberships ``Y``, ``Z`` and block matrix ``S``
@@ -1078,93 +287,37 @@ class SBMAttention(nn.Module):
     stream_rows: int = 0
     stream_slots: int = 0
 
+    def core_options(self, deterministic: bool = True) -> SBMOptions:
+        """The :class:`SBMOptions` this module runs its core with: its fields of the same
+        names, ``edge_law`` as ``law``, and ``attention_dropout`` as ``dropout_rate``
+        unless ``deterministic`` (then 0). The values as set; the core takes
+        :meth:`SBMOptions.resolved` of them."""
+        same = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SBMOptions)
+            if f.name not in ("law", "dropout_rate")
+        }
+        rate = 0.0 if deterministic else self.attention_dropout
+        return SBMOptions(law=self.edge_law, dropout_rate=rate, **same)
+
     def paths_for(self, batch: int, length: int) -> tuple[tuple[int, ...], bool]:
-        """:func:`plan_paths` under this module's options for a ``[batch, length]`` input
-        (the choice its call makes; a ValueError naming the fields when no path fits):
-        what a config check runs for each batch a training run will trace. With
+        """:func:`choose_paths` under this module's options for a ``[batch, length]``
+        input (the choice its call makes; a ValueError naming the fields when no path
+        fits): what a config check runs for each batch a training run will trace. With
         ``impl="streamed"``: :func:`plan_stream`'s per-block buffers and whether blocks
         may run dense."""
-        kernel = resolve_kernel(self.kernel)
-        if kernel == "fused" and self.impl in ("auto", "sparse"):
-            # No capacity buckets: every batch runs the fused kernel or the dense path.
-            dense = batch * self.num_heads * length * length <= self.max_dense_elements
-            return (), dense
-        if self.impl == "streamed":
-            _, caps, dense = plan_stream(
-                batch=batch,
-                heads=self.num_heads,
-                length=length,
-                capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
-                stream_rows=self.stream_rows,
-                stream_slots=self.stream_slots,
-                kernel="rows" if kernel in ("segment", "fused") else kernel,
-                edge_cost=self.edge_cost,
-                max_dense_elements=self.max_dense_elements,
-                max_edge_slots=self.max_edge_slots,
-                forced_per_row=_forced_per_row(self.self_loops, self.window, length),
-            )
-            return caps, dense
-        return plan_paths(
-            batch=batch,
-            heads=self.num_heads,
-            length=length,
-            capacity_buckets=tuple(float(c) for c in self.capacity_buckets),
-            impl=self.impl,
-            kernel=kernel,
-            dense_below=self.dense_below,
-            edge_cost=self.edge_cost,
-            max_dense_elements=self.max_dense_elements,
-            max_edge_slots=self.max_edge_slots,
-            forced_per_row=_forced_per_row(self.self_loops, self.window, length),
-        )
+        options = self.core_options().resolved()
+        return choose_paths(options, batch=batch, heads=self.num_heads, length=length)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; runs before anything is traced."""
         check_fields(self)  # num_heads, head_dim, out_dim, attention_dropout
-        for field in ("num_clusters", "pair_probes"):
-            check_int(field, getattr(self, field))
+        check_int("num_clusters", self.num_clusters)
         if not isinstance(self.delta, numbers.Real) or not 0.0 <= self.delta <= 1.0:
             raise ValueError(f"delta must lie in [0, 1] (a probability), got {self.delta!r}")
-        check_law(self.edge_law, "edge_law")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
-        if isinstance(self.capacity_buckets, str):
-            raise ValueError(
-                f"capacity_buckets must be a tuple of numbers, got {self.capacity_buckets!r}"
-            )
-        buckets = tuple(self.capacity_buckets)
-        bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, numbers.Real)]
-        if bad:
-            raise ValueError(f"capacity_buckets must be numbers (fractions of n*m), got {bad}")
-        if not buckets:
-            raise ValueError("capacity_buckets must name at least one fraction of n*m")
-        if any(not 0.0 < f <= 1.0 for f in buckets):
-            raise ValueError(f"capacity_buckets must lie in (0, 1], got {buckets}")
-        if any(b <= a for a, b in zip(buckets, buckets[1:], strict=False)):
-            raise ValueError(f"capacity_buckets must be strictly increasing, got {buckets}")
         if self.cluster_init not in CLUSTER_INITS:
             raise ValueError(f"cluster_init={self.cluster_init!r} is not one of {CLUSTER_INITS}")
-        if self.edge_cost is not None and not self.edge_cost > 0:
-            raise ValueError(f"edge_cost must be > 0 (or None), got {self.edge_cost}")
-        if self.kernel not in EDGE_KERNELS:
-            raise ValueError(f"kernel={self.kernel!r} is not one of {EDGE_KERNELS}")
-        resolve_kernel(self.kernel)  # a GPU-only kernel on another backend: one line
-        check_ste(self.ste, "ste")
-        for field in (
-            "window",
-            "max_dense_elements",
-            "max_edge_slots",
-            "dense_below",
-            "stream_rows",
-            "stream_slots",
-        ):
-            check_int(field, getattr(self, field), minimum=0)
-        if 0 < self.stream_slots < self.stream_rows:
-            raise ValueError(
-                f"stream_slots={self.stream_slots} is too small for a block of "
-                f"stream_rows={self.stream_rows} query rows: it must hold at least one draw "
-                "per row, or every block would run dense"
-            )
+        self.core_options().validate()  # the core's options, named as this module's fields
 
     @nn.compact
     def __call__(
@@ -1209,7 +362,7 @@ class SBMAttention(nn.Module):
                 "SBMAttention samples its graph from the 'sample' rng stream: pass "
                 "rngs={'sample': key} to apply (it stays on at evaluation)"
             )
-        rate = 0.0 if deterministic else self.attention_dropout
+        options = self.core_options(deterministic)
         # Heads-major from here on ([B, H, L, hd]): the core takes that layout, and the
         # memberships ([B, H, L, k], 4x wider at k=128, hd=32) then come out of their
         # einsum in it, with no transpose of theirs in either pass.
@@ -1246,22 +399,8 @@ class SBMAttention(nn.Module):
                 k_memb,
                 mask,
                 delta=0.0 if deterministic else self.delta,
-                law=self.edge_law,
-                capacity_buckets=tuple(self.capacity_buckets),
-                impl=self.impl,
-                self_loops=self.self_loops,
-                window=self.window,
-                dense_below=self.dense_below,
-                edge_cost=self.edge_cost,
-                max_dense_elements=self.max_dense_elements,
-                max_edge_slots=self.max_edge_slots,
-                dropout_rate=rate,
                 dropout_rng=dropout_rng,
-                kernel=self.kernel,
-                ste=self.ste,
-                pair_probes=self.pair_probes,
-                stream_rows=self.stream_rows,
-                stream_slots=self.stream_slots,
+                options=options,
             )
             sg = jax.lax.stop_gradient  # logged, not trained
             densities = expected_token_densities(sg(q_memb), sg(block), sg(k_memb), mask)
@@ -1283,7 +422,7 @@ class SBMAttention(nn.Module):
             clusters,
             mask,
             self.make_rng("sample"),
-            self.make_rng("dropout") if rate > 0.0 else None,
+            self.make_rng("dropout") if options.dropout_rate > 0.0 else None,
         )
         for name in ("density", "edges", "overflow", "path"):
             self.sow(STATS_COLLECTION, name, stats[name])

@@ -1,9 +1,9 @@
 """SBM's own check of a training run, hung on its registry entry
 (:func:`sbm_jax.attention.registry.register_config_check`): refuse, before anything is
 built or compiled, attention options under which no attention path fits a batch the
-run will trace (:func:`sbm_jax.attention.sbm.plan_paths`' error, naming the fields and
-the sizes they would need), instead of a traceback at the first step or mid-run at the
-first evaluation."""
+run will trace (:func:`sbm_jax.attention.sbm_paths.choose_paths`' error, naming the
+fields and the sizes they would need), instead of a traceback at the first step or
+mid-run at the first evaluation."""
 
 from __future__ import annotations
 

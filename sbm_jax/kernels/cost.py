@@ -36,12 +36,11 @@ import jax
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
 #: kernel, measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls rows
 #: segment`` (B=2, H=2, d_h=32, k=128, n=2048, 5% density in a bucket of 10% of n^2,
-#: float32; docs/benchmarks.md). ``cpu``: a shared 2-core x86 CPU, JAX 0.10.2: rows 7.5,
-#: 8.0, 7.4, segment 15.2, 15.7, 15.1 in three runs; buckets below ~1/8 of n*m run
-#: sparse with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with
-#: ``segment``. ``gpu``: one NVIDIA H100 80GB, JAX 0.11.2: rows 50.8, segment 87.6; only
-#: buckets below ~1/51 of n*m run sparse (the default 1/64), since the dense branch is
-#: matrix products and the sparse one gathers, sorts and scatters. The ``triton`` kernel
+#: float32; docs/benchmarks.md). ``cpu``: a 2-core x86 CPU; buckets below ~1/8 of n*m
+#: run sparse with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with
+#: ``segment``. ``gpu``: an NVIDIA H100; only buckets below ~1/51 of n*m run sparse (the
+#: default 1/64), since the dense branch is matrix products and the sparse one gathers,
+#: sorts and scatters. The ``triton`` kernel
 #: (GPU only) is not measured yet: ``scripts/accelerator_check.py`` measures it with the
 #: rest of the GPU table. ``tpu``: nothing measured (no TPU was available), so no entry.
 EDGE_COST: dict[str, dict[str, float]] = {

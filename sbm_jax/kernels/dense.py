@@ -117,7 +117,7 @@ def block_mask(
     rate = p + delta
     prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
     # Kept, not fused: the hash would otherwise be recomputed in each consumer of the
-    # mask (the layer at density 0.9 took ~4% less time with the barrier).
+    # mask.
     u = jax.lax.optimization_barrier(uniform(jax.random.fold_in(key, block), (bq, m)))
     mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
     if cfg.forced_half >= 0:
@@ -148,8 +148,7 @@ def _contract_rows(a: jax.Array, b: jax.Array) -> jax.Array:
 
     The backward pass accumulates the key-side gradients ``ds.T @ q_b`` etc. transposed,
     as ``q_b.T @ ds`` (``[d, m]``, transposed once after the loop): on CPU, XLA ran the
-    ``[m, bq] x [bq, d]`` form as a generic dot and this one ~2x faster (the layer at
-    n=2048, density 0.9 took 0.87 of the time; scripts/benchmark_attention.py).
+    ``[m, bq] x [bq, d]`` form as a generic dot and this one faster.
     """
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))
 

@@ -86,7 +86,7 @@ def default_slots_per_row(capacity: int, num_rows: int) -> int:
 
     Padding costs up to ``n * R`` slot visits, the per-virtual-row work about
     ``(n + C/R) * d``; a quarter of the mean degree balanced the two in measurements
-    on CPU (n=4096: R=8 at 1% density, R=32-64 at 5%).
+    on CPU.
     """
     mean = capacity / max(1, num_rows)
     r = 2 ** max(0, round(math.log2(max(1.0, mean / 4))))
@@ -99,10 +99,7 @@ def default_block_slots(capacity: int) -> int:
 
     Large lists get :data:`DEFAULT_BLOCK_SLOTS`. On a small list the block temporaries
     (several live at once in the backward) are a large share of the whole layer's
-    memory, so the block shrinks with the list. Measured on a 2-core CPU, the layer with
-    its defaults at n=1024, 5% density, B=2, H=2 (65536 slots per graph): 8192-slot
-    blocks instead of 16384 cut the compiled temp from 32.5 to 29.4 MiB and the
-    fwd+bwd time 0.86-0.93x; at n=4096 (1M slots) the block is unchanged.
+    memory, so the block shrinks with the list.
     """
     share = capacity // BLOCKS_PER_LIST
     return int(min(DEFAULT_BLOCK_SLOTS, max(MIN_BLOCK_SLOTS, share)))

@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from sbm_jax.fastrg import (
     SEARCH_WINDOW,
     SamplingPlan,
-    edge_probs_straight_through,
     edges_from_keys,
     padded_cdf,
     sample_edge_keys,
@@ -56,7 +55,7 @@ from sbm_jax.fastrg import (
 from sbm_jax.kernels.dense import default_block_rows, streamed_sbm_attention
 from sbm_jax.kernels.pairs import with_absent_pairs
 from sbm_jax.kernels.rows import rows_edge_attention
-from sbm_jax.ste import clip_cotangent, edge_logit_terms
+from sbm_jax.ste import clip_cotangent, edge_logit_terms, edge_probs_straight_through
 
 #: Pairs ``bq * m`` of one streamed block that :func:`default_stream_rows` aims at.
 STREAM_TILE_ELEMENTS = 2**20
