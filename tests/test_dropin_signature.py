@@ -178,7 +178,7 @@ def test_cross_attention_equals_a_dense_reference_in_both_faces(name, options):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
-def test_full_cross_attention_equals_flax_multihead_attention(implementation):
+def test_full_cross_attention_equals_flax_multihead_attention_in_both_faces(implementation):
     x_q, x_k, x_v, key_mask = _cross_inputs()
     options = {"implementation": implementation, "query_chunk": 2}
     layer = build_attention("full", options=options, num_heads=H, head_dim=HD, out_dim=D)
@@ -189,6 +189,19 @@ def test_full_cross_attention_equals_flax_multihead_attention(implementation):
         want = ref.apply(nn.unbox(params), *args, mask=mask4, deterministic=True)
         got = layer.apply(params, *args, mask=mask4, deterministic=True)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The NNX faces: ours and flax's nnx.MultiHeadAttention (the same tree), one call.
+    face = sbm_nnx.FullAttention(H, HD, D, rngs=nnx.Rngs(0), **options)
+    face.load_linen_params(params["params"])
+    theirs = nnx.MultiHeadAttention(
+        num_heads=H, in_features=D, qkv_features=H * HD, out_features=D, decode=False,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    state = nnx.state(theirs, nnx.Param)
+    nnx.replace_by_pure_dict(state, nn.unbox(params["params"]))
+    nnx.update(theirs, state)
+    want = theirs(x_q, x_k, x_v, mask=mask4, deterministic=True)
+    got = face(x_q, x_k, x_v, mask=mask4, deterministic=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # Gradients too (chunked recomputes each block in the backward pass).
     loss = lambda f: (
         lambda p, q, k: jnp.sum(  # noqa: E731
