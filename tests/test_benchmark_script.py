@@ -411,11 +411,19 @@ def test_nnx_face_against_linen_at_a_tiny_size(bench, tmp_path, capsys):
     (rec,) = json.loads(out.read_text())["results"]
     assert rec["section"] == "nnx" and (rec["n"], rec["density"], rec["batch"]) == (32, 0.25, 1)
     assert rec["linen_loss"] == rec["nnx_loss"]  # the same graph, the same math
-    for side in ("linen", "nnx"):
+    for side in ("linen", "nnx", "linen_stats"):
         assert len(rec[side]["times_s"]) == 5 and rec[side]["temp_bytes"] > 0
+        assert rec["cost"][side]["flops"] > 0 and rec["cost"][side]["bytes accessed"] > 0
     assert len(rec["nnx"]["round_ratios"]) == 5
     assert rec["nnx_over_linen"] == pytest.approx(np.median(rec["nnx"]["round_ratios"]), abs=1e-4)
+    paired = np.median(np.array(rec["nnx"]["times_s"]) / rec["linen_stats"]["times_s"])
+    assert rec["nnx_over_linen_stats"] == pytest.approx(paired, rel=1e-3)
     assert rec["met"] is (rec["nnx_over_linen"] <= bench.NNX_TARGET)
     assert 0.0 < rec["nnx_density"] <= 1.0
+    # The face computes what the Linen step that collects the stats computes.
+    assert rec["cost"]["nnx"]["flops"] == pytest.approx(
+        rec["cost"]["linen_stats"]["flops"], rel=1e-3
+    )
     text = capsys.readouterr().out
     assert "n=32 25% B=1: linen " in text and "nnx/linen " in text and "same loss True" in text
+    assert "linen with stats " in text and "bytes accessed" in text
