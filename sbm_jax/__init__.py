@@ -2,7 +2,8 @@
 
 The public names load their module on first use (PEP 562), so that importing the
 array-level core (``sbm_jax.graph``, ``sbm_jax.fastrg``, ``sbm_jax.edge_ops``) loads
-neither flax nor the attention mechanisms.
+neither flax nor the attention mechanisms. ``sbm_jax.nnx`` (the Flax NNX face) is one
+of them: ``import sbm_jax; sbm_jax.nnx.SBMAttention`` loads it, and flax, on first use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sbm_jax import nnx as nnx
     from sbm_jax.attention.sbm import SBMAttention
     from sbm_jax.edge_ops import dense_masked_attention, edge_attention, edge_softmax
     from sbm_jax.fastrg import sample_sbm_graph
@@ -27,6 +29,9 @@ _LAZY = {
     "sample_sbm_graph": "sbm_jax.fastrg",
     "straight_through": "sbm_jax.ste",
 }
+# public submodules, loaded on first use as the names above; left out of ``__all__`` so
+# that ``from sbm_jax import *`` never shadows a user's ``from flax import nnx``
+_SUBMODULES = {"nnx": "sbm_jax.nnx"}
 
 __all__ = [
     "EdgeList",
@@ -42,13 +47,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name in _SUBMODULES:
+        value: Any = importlib.import_module(_SUBMODULES[name])
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

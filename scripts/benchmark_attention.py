@@ -667,6 +667,171 @@ def calibrate_edge_cost(
     return out
 
 
+# ----------------------------------------------------------------------------- NNX face
+#: How much slower than the Linen layer the NNX SBM layer may be (``--nnx``): 5%.
+NNX_TARGET = 1.05
+
+
+def nnx_layer_workloads(
+    b: int,
+    h: int,
+    d: int,
+    n: int,
+    density: float,
+    options: dict[str, Any] | None = None,
+    dtype: Any = jnp.float32,
+) -> tuple[list[tuple[Callable[..., Any], Sequence[Any]]], dict[str, Any]]:
+    """The SBM layer's fwd+bwd through the Linen module and through its NNX face
+    (``sbm_jax.nnx.SBMAttention``) on the same parameters (those of
+    :func:`layer_workload`, shifted to ``density``), inputs and sample key, so all
+    sample the same graph. Returns ``([linen, nnx, linen_stats], info)``, each an
+    ``(fn, args)`` pair.
+
+    ``linen`` is :func:`layer_workload`'s step, whose sown stats XLA drops as unused;
+    ``nnx`` is what ``nnx.jit`` of ``nnx.value_and_grad`` compiles: merge the layer,
+    differentiate with respect to its ``nnx.Param``s and x, and return its updated
+    state (the stats it sowed, its rng count) as a training step writes it back;
+    ``linen_stats`` is the Linen step as the trainer runs it, the stats collected
+    (``mutable=["attention_stats"]``) and returned.
+    """
+    from flax import nnx
+
+    from sbm_jax import nnx as sbm_nnx
+    from sbm_jax.attention import STATS_COLLECTION, get_attention
+
+    _, (params, x, g, mask), info = layer_workload("sbm", b, h, d, n, density, options, None, dtype)
+    fields = dict(num_heads=h, head_dim=d, dtype=dtype)
+    layer = sbm_nnx.SBMAttention(
+        in_features=h * d, rngs=nnx.Rngs(0, sample=1), **fields, **(options or {})
+    )
+    layer.load_linen_params(params)
+    stream = layer.sample_rng
+    key = jax.random.fold_in(stream.key[...], stream.count[...])  # what the layer draws
+    mod = get_attention("sbm")(out_dim=h * d, **fields, **(options or {}))
+
+    def linen_loss(p, x, g, mask):
+        out = mod.apply({"params": p}, x, mask, deterministic=False, rngs={"sample": key})
+        return jnp.sum(out.astype(jnp.float32) * g)
+
+    def linen_stats_loss(p, x, g, mask):
+        out, stats = mod.apply(
+            {"params": p},
+            x,
+            mask,
+            deterministic=False,
+            rngs={"sample": key},
+            mutable=[STATS_COLLECTION],
+        )
+        return jnp.sum(out.astype(jnp.float32) * g), stats
+
+    graphdef, state = nnx.split(layer)
+
+    def nnx_step(state, x, g, mask):
+        model = nnx.merge(graphdef, state)
+
+        def loss(model, x):
+            return jnp.sum(model(x, mask).astype(jnp.float32) * g)
+
+        value_grads = nnx.value_and_grad(loss, argnums=(0, 1))(model, x)
+        return value_grads, nnx.state(model)
+
+    linen_fn = jax.value_and_grad(linen_loss, argnums=(0, 1))
+    stats_fn = jax.value_and_grad(linen_stats_loss, argnums=(0, 1), has_aux=True)
+    loads = [
+        (linen_fn, (params, x, g, mask)),
+        (nnx_step, (state, x, g, mask)),
+        (stats_fn, (params, x, g, mask)),
+    ]
+    linen_value, _ = jax.jit(linen_fn)(params, x, g, mask)
+    (nnx_value, _), new_state = jax.jit(nnx_step)(state, x, g, mask)
+    stats = nnx.merge(graphdef, new_state).stats.get_value()
+    info.update(
+        linen_loss=float(linen_value),
+        nnx_loss=float(nnx_value),
+        nnx_density=float(jnp.mean(stats["density"])),
+        nnx_path=int(stats["path"]),
+    )
+    return loads, info
+
+
+def program_cost(fn: Callable[..., Any], args: Sequence[Any]) -> dict[str, float]:
+    """XLA's cost analysis of ``fn`` compiled on ``args``: its FLOPs and bytes accessed
+    (what the program does, free of the timing noise of a shared machine)."""
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in (cost or {})}
+
+
+def _paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Median over rounds of ``a``'s time over ``b``'s in the same round."""
+    if "times_s" not in a or "times_s" not in b:
+        return None
+    return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"], strict=True))
+
+
+def run_nnx(args: argparse.Namespace) -> dict[str, Any]:
+    """``--nnx``: per ``--layer-cases`` case, the NNX SBM layer against the Linen one,
+    fwd+bwd, timed in alternation (shuffled within each round) in this process, with the
+    Linen step as the trainer runs it (stats collected) beside them.
+    ``nnx_over_linen`` is the median of the per-round time ratios against the bare
+    Linen layer (target: at most :data:`NNX_TARGET`), ``nnx_over_linen_stats`` against
+    the Linen step that collects the same stats; ``cost`` is XLA's count of each
+    program's FLOPs and bytes."""
+    kw = dict(repeats=args.repeats, warmup=args.warmup, max_bytes=args.max_gib * GIB)
+    dtype = layer_dtype(args.layer_dtype)
+    results = []
+    for n, density, batch in args.layer_cases:
+        b = args.batch if batch is None else batch
+        loads, info = nnx_layer_workloads(
+            b, args.heads, args.head_dim, n, density, args.layer_options, dtype
+        )
+        linen, nnx_, linen_stats = measure_interleaved(loads, shuffle_seed=0, **kw)
+        ratio = nnx_.get("median_round_ratio")
+        rec = dict(section="nnx", n=n, density=density, batch=b, heads=args.heads, **info)
+        rec.update(linen=linen, nnx=nnx_, linen_stats=linen_stats, nnx_over_linen=ratio)
+        rec["nnx_over_linen_stats"] = _paired_ratio(nnx_, linen_stats)
+        names = ("linen", "nnx", "linen_stats")
+        rec["cost"] = {name: program_cost(*load) for name, load in zip(names, loads, strict=True)}
+        rec["met"] = None if ratio is None else bool(ratio <= NNX_TARGET)
+        results.append(rec)
+        if args.json:
+            out = Path(args.json)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({**header(args), "results": results}, indent=1))
+    return {**header(args), "results": results}
+
+
+def print_nnx(report: dict[str, Any]) -> None:
+    """Per ``--nnx`` case: the medians, the per-round ratios and XLA's cost counts."""
+    print(f"NNX SBM layer against the Linen one, fwd+bwd ({machine_text(report['machine'])}):")
+    for r in report["results"]:
+        ratio, lin, nx, ls = r["nnx_over_linen"], r["linen"], r["nnx"], r["linen_stats"]
+        rounds = nx.get("round_ratios") or [float("nan")]
+        print(
+            f"  n={r['n']} {r['density']:.0%} B={r['batch']}: linen {_fmt(lin.get('median_s'))}"
+            f" s, nnx {_fmt(nx.get('median_s'))} s, nnx/linen {_fmt(ratio, '.3f')} (rounds "
+            f"{min(rounds):.3f}-{max(rounds):.3f}; target <= {NNX_TARGET}: "
+            f"{'met' if r['met'] else 'not met'}); linen with stats {_fmt(ls.get('median_s'))}"
+            f" s, nnx/it {_fmt(r['nnx_over_linen_stats'], '.3f')}; sampled density "
+            f"{r['nnx_density']:.3f}, same loss {r['linen_loss'] == r['nnx_loss']}"
+        )
+        for name in ("linen", "nnx", "linen_stats"):
+            cost, rec = r["cost"].get(name, {}), r[name]
+            print(
+                f"    {name:11s} temp {_fmt(rec.get('temp_bytes'))} B, "
+                f"{_fmt(cost.get('flops'), '.6g')} FLOPs, "
+                f"{_fmt(cost.get('bytes accessed'), '.6g')} bytes accessed"
+            )
+
+
+def nnx_main(args: argparse.Namespace) -> None:
+    """``--nnx``: measure, write ``--json``, print; nothing else runs."""
+    report = run_nnx(args)
+    print_nnx(report)
+    if args.json:
+        print(f"wrote {args.json}")
+
+
 # ----------------------------------------------------------------------------- driver
 #: Whole-layer cases: (n, density, batch), those of the layer target table
 #: (:func:`layer_target_rows`).
@@ -764,6 +929,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="measure each whole-layer case in K fresh processes of this script, one after "
         "another, and report the medians over them with their range (0: in this process, "
         "after the core and sampler runs)",
+    )
+    p.add_argument(
+        "--nnx",
+        action="store_true",
+        help="only time the NNX SBM layer (sbm_jax.nnx) against the Linen one at the "
+        "--layer-cases, in alternation in this process, and report their ratio",
     )
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer figures")
     p.add_argument("--no-core", action="store_true", help="skip the dense and core figures")
@@ -1897,6 +2068,11 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.nnx:
+        args.command_line = "python scripts/benchmark_attention.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        return nnx_main(args)
     if args.from_json:
         report = args.report
     else:

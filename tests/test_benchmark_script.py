@@ -400,3 +400,30 @@ def test_layer_processes_run_this_script_for_real(bench, tmp_path):
     assert len(sbm["process_median_round_ratio"]) == 2 and full["temp_bytes"] > 0
     assert min(full["process_median_s"]) <= full["median_s"] <= max(full["process_median_s"])
     assert abs(sbm["sampled_density"] - 0.5) < 0.1
+
+
+def test_nnx_face_against_linen_at_a_tiny_size(bench, tmp_path, capsys):
+    # A rehearsal of `--nnx` (the target is n=4096, 5%): both layers measured in
+    # one process on the same parameters and sample key, so they sample the same graph.
+    out = tmp_path / "nnx.json"
+    argv = ["--nnx", "--layer-cases", "32:0.25", "--batch", "1", "--head-dim", "4"]
+    bench.main([*argv, "--json", str(out)])
+    (rec,) = json.loads(out.read_text())["results"]
+    assert rec["section"] == "nnx" and (rec["n"], rec["density"], rec["batch"]) == (32, 0.25, 1)
+    assert rec["linen_loss"] == rec["nnx_loss"]  # the same graph, the same math
+    for side in ("linen", "nnx", "linen_stats"):
+        assert len(rec[side]["times_s"]) == 5 and rec[side]["temp_bytes"] > 0
+        assert rec["cost"][side]["flops"] > 0 and rec["cost"][side]["bytes accessed"] > 0
+    assert len(rec["nnx"]["round_ratios"]) == 5
+    assert rec["nnx_over_linen"] == pytest.approx(np.median(rec["nnx"]["round_ratios"]), abs=1e-4)
+    paired = np.median(np.array(rec["nnx"]["times_s"]) / rec["linen_stats"]["times_s"])
+    assert rec["nnx_over_linen_stats"] == pytest.approx(paired, rel=1e-3)
+    assert rec["met"] is (rec["nnx_over_linen"] <= bench.NNX_TARGET)
+    assert 0.0 < rec["nnx_density"] <= 1.0
+    # The face computes what the Linen step that collects the stats computes.
+    assert rec["cost"]["nnx"]["flops"] == pytest.approx(
+        rec["cost"]["linen_stats"]["flops"], rel=1e-3
+    )
+    text = capsys.readouterr().out
+    assert "n=32 25% B=1: linen " in text and "nnx/linen " in text and "same loss True" in text
+    assert "linen with stats " in text and "bytes accessed" in text

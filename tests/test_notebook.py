@@ -20,6 +20,19 @@ pytest.importorskip("ipykernel", reason="ipykernel not installed (the notebook's
 from tests.notebook_testing import NOTEBOOK, execute_quickstart, outputs_text  # noqa: E402
 
 
+def _nnx_steps(text: str) -> list[int]:
+    """The steps of the NNX cell's progress lines, each with a finite loss and a density
+    per head."""
+    steps = []
+    for line in text.splitlines():
+        if line.startswith("NNX step "):
+            step, rest = line.removeprefix("NNX step ").split(": ", 1)
+            loss = float(rest.split("loss ")[1].split(",")[0])
+            assert loss == loss and "sampled density per head [" in rest, line
+            steps.append(int(step))
+    return steps
+
+
 def _images(nb) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
@@ -37,8 +50,17 @@ def test_notebook_opens_in_colab_and_ships_outputs():
     )
     assert '{"cpu": "train", "gpu": "train,gpu", "tpu": "train,tpu"}[runtime]' in install
     assert "pip" in install and "{repo_dir}[{extras}]" in install
-    # Saved with its outputs: the training summary, three figures.
+    # NNX first: a model of its own with the NNX SBM layer, trained with nnx.Optimizer.
+    nnx_cell = next(c for c in nb.cells if "sbm_nnx.SBMAttention(" in c.source)
+    trainer_cell = next(c for c in nb.cells if "run_training(" in c.source)
+    assert nb.cells.index(nnx_cell) < nb.cells.index(trainer_cell)
+    assert "from sbm_jax import nnx as sbm_nnx" in nnx_cell.source
+    assert "nnx.Optimizer(model, " in nnx_cell.source and "wrt=nnx.Param" in nnx_cell.source
+    assert "optimizer.update(model, grads)" in nnx_cell.source
+    assert '.stats["density"]' in nnx_cell.source
+    # Saved with its outputs: the NNX steps, the training summary, three figures.
     text = outputs_text(nb)
+    assert _nnx_steps(text) == [50, 100, 150]
     assert "synthetic (sbm, seed 0): " in text and "| 40 steps in " in text
     assert _images(nb) == 3
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
@@ -56,6 +78,7 @@ def test_quickstart_notebook_executes_like_colab(tmp_path, monkeypatch):
         "sbm_jax from " + os.path.join(os.path.dirname(os.path.dirname(NOTEBOOK)), "sbm_jax")
         in text
     )
+    assert _nnx_steps(text) == [50, 100, 150]  # the NNX model trained
     assert "synthetic (sbm, seed 0): " in text and "| 40 steps in " in text  # summary line
     assert "density per head at the last step" in text
     assert "overflow False" in text

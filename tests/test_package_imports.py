@@ -303,3 +303,32 @@ def test_nnx_face_loads_no_mechanism_until_one_is_used():
         "    'name': cls.__name__}))"
     )
     assert got == {"loaded": [], "after": True, "name": "SBMAttention"}
+
+
+def test_nnx_face_is_a_lazy_attribute_of_the_package():
+    # ``import sbm_jax`` alone, then the attribute: nothing heavy until a class is used.
+    got = _fresh_python(
+        "import json\nimport sbm_jax\n"
+        "heavy = lambda: sorted(m for m in sys.modules if m.split('.')[0] == 'flax'\n"
+        "    or m.startswith(('sbm_jax.attention', 'sbm_jax.models', 'sbm_jax.nnx')))\n"
+        "before = heavy()\n"
+        "listed = 'nnx' in dir(sbm_jax)\n"
+        "face = sbm_jax.nnx\n"
+        "on_access = heavy()\n"
+        "cls = sbm_jax.nnx.SBMAttention\n"
+        "import sbm_jax.nnx as direct\n"
+        "from sbm_jax import *\n"
+        "print(json.dumps({'before': before, 'listed': listed, 'on_access': on_access,\n"
+        "    'module': face.__name__, 'same': face is direct and face is sbm_jax.nnx,\n"
+        "    'cls': cls.__module__ + '.' + cls.__name__, 'star': 'nnx' in globals(),\n"
+        "    'flax_after': 'flax.nnx' in sys.modules,\n"
+        "    'sbm_after': 'sbm_jax.attention.sbm' in sys.modules}))"
+    )
+    assert got["before"] == []
+    assert got["listed"] is True
+    assert got["on_access"] == ["sbm_jax.nnx"]  # the face's own package, no flax yet
+    assert got["module"] == "sbm_jax.nnx" and got["same"] is True
+    assert got["cls"] == "sbm_jax.nnx.SBMAttention"
+    assert got["flax_after"] is True and got["sbm_after"] is True
+    # Not in __all__: a star import must not shadow ``from flax import nnx``.
+    assert got["star"] is False

@@ -121,12 +121,17 @@ def _name(module: Any) -> str:
     return type(module).__name__
 
 
-def _key_mask_from_pairs(module: Any, mask: Array, batch: int, length: int) -> Array:
+#: The registered mechanisms whose bodies attend one sequence to another
+#: (:func:`cross_attention_call`); every other one refuses cross-attention in one line.
+CROSS_ATTENTION = ("full", "linear", "performer")
+
+
+def _key_mask_from_pairs(module: Any, mask: Array, batch: int, q_len: int, k_len: int) -> Array:
     """A ``[batch, heads, q, k]``-broadcastable ``mask`` -> the key-padding mask
     ``[batch, k]`` it amounts to, or a ValueError when it is a pair mask (one that varies
     along heads or queries: causal, banded, arbitrary) the mechanism cannot honour."""
     name = _name(module)
-    full = (batch, module.num_heads, length, length)
+    full = (batch, module.num_heads, q_len, k_len)
     shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
     if mask.ndim > 4 or any(s not in (1, f) for s, f in zip(shape, full, strict=True)):
         raise ValueError(
@@ -144,7 +149,62 @@ def _key_mask_from_pairs(module: Any, mask: Array, batch: int, length: int) -> A
                 " or is traced so that cannot be checked: pass a [batch, k] or "
                 "[batch, 1, 1, k] mask"
             )
-    return jnp.broadcast_to(mask[:, 0, 0, :], (batch, length))
+    return jnp.broadcast_to(mask[:, 0, 0, :], (batch, k_len))
+
+
+def _read_call(
+    module: nn.Module,
+    inputs_q: Array,
+    inputs_k: Array | None,
+    inputs_v: Array | None,
+    mask: Array | None,
+) -> tuple[Array, Array, Array, Array]:
+    """Both call conventions -> ``(x_q, x_k, x_v, key_mask [batch, k] bool)``, checked;
+    ``x_k`` and ``x_v`` are ``x_q`` itself when not given (flax's rule: ``inputs_v``
+    defaults to ``inputs_k``, which defaults to ``inputs_q``)."""
+    name = _name(module)
+    check_fields(module)
+    if inputs_k is not None and getattr(inputs_k, "ndim", 3) <= 2:
+        if mask is not None:
+            raise ValueError(
+                f"{name}: got a [batch, length] mask as the second argument and mask= too"
+            )
+        inputs_k, mask = None, inputs_k
+    if inputs_v is not None and inputs_k is None:
+        raise ValueError(f"{name}: inputs_v was given without inputs_k")
+    x_q = inputs_q
+    x_k = x_q if inputs_k is None else inputs_k
+    x_v = x_k if inputs_v is None else inputs_v
+    for role, x in (("x", x_q), ("inputs_k", x_k), ("inputs_v", x_v)):
+        if x.ndim != 3:
+            raise ValueError(f"{role} must be [batch, length, dim], got shape {x.shape}")
+        if x.shape[1] < 1:
+            raise ValueError(
+                f"{role} must have at least one position (length >= 1), got shape {x.shape}"
+            )
+    batch, q_len = x_q.shape[:2]
+    k_len = x_k.shape[1]
+    if x_k.shape[0] != batch or x_v.shape[:2] != x_k.shape[:2]:
+        raise ValueError(
+            f"{name}: inputs_k and inputs_v must be [batch, k, dim] with inputs_q's batch "
+            f"and one length k; got shapes q, k, v = {x_q.shape}, {x_k.shape}, {x_v.shape}"
+        )
+    if mask is None:
+        mask = jnp.ones((batch, k_len), jnp.bool_)
+    elif mask.ndim == 2:
+        # Today's [batch, length] mask: the keys' (the sequence's, when attending to itself).
+        if tuple(mask.shape) != (batch, k_len):
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} must equal the keys' [batch, k] = {(batch, k_len)}"
+            )
+    elif mask.ndim < 2:
+        raise ValueError(
+            f"{name}: mask shape {tuple(mask.shape)} does not broadcast to "
+            f"[batch, heads, q, k] = {(batch, module.num_heads, q_len, k_len)}"
+        )
+    else:
+        mask = _key_mask_from_pairs(module, mask, batch, q_len, k_len)
+    return x_q, x_k, x_v, mask.astype(jnp.bool_)
 
 
 def attention_call(
@@ -154,8 +214,8 @@ def attention_call(
     inputs_v: Array | None = None,
     mask: Array | None = None,
 ) -> tuple[Array, Array]:
-    """The first line of every mechanism's ``__call__``: both call conventions -> the
-    checked ``(x [batch, length, dim], mask [batch, length] bool)`` the body uses.
+    """The first line of a self-attention mechanism's ``__call__``: both call conventions
+    -> the checked ``(x [batch, length, dim], mask [batch, length] bool)`` the body uses.
 
     * Today's ``(x, mask)``: a second positional argument of rank <= 2 is the
       ``[batch, length]`` mask (True for real tokens), as it always was.
@@ -164,45 +224,54 @@ def attention_call(
       today's ``[batch, length]``). A key-padding mask (``[batch, 1, 1, k]``, or any mask
       constant along heads and queries) is honoured; a pair mask is refused. ``inputs_k``
       / ``inputs_v`` must be ``inputs_q`` itself (or omitted): these mechanisms attend a
-      sequence to itself, so cross-attention is refused.
+      sequence to itself, so cross-attention is refused (the mechanisms of
+      :data:`CROSS_ATTENTION` take :func:`cross_attention_call` instead).
 
     ``mask=None``: every position is real. Every refusal is a ValueError of one line,
     raised before anything is traced; :func:`check_call` runs last.
     """
     name = _name(module)
     check_fields(module)
-    if inputs_k is not None and getattr(inputs_k, "ndim", 3) <= 2:
-        if mask is not None:
-            raise ValueError(
-                f"{name}: got a [batch, length] mask as the second argument and mask= too"
-            )
-        inputs_k, mask = None, inputs_k
-        legacy = True
-    else:
-        legacy = mask is not None and getattr(mask, "ndim", 0) == 2
-    if inputs_v is not None and inputs_k is None:
-        raise ValueError(f"{name}: inputs_v was given without inputs_k")
-    if any(other is not None and other is not inputs_q for other in (inputs_k, inputs_v)):
+    if any(
+        other is not None and getattr(other, "ndim", 3) > 2 and other is not inputs_q
+        for other in (inputs_k, inputs_v)
+    ):
         shapes = [tuple(getattr(a, "shape", ())) for a in (inputs_q, inputs_k, inputs_v)]
         raise ValueError(
             f"{name} attends a sequence to itself: inputs_k and inputs_v must be inputs_q "
-            f"or omitted; cross-attention (shapes q, k, v = {shapes}) is not supported"
+            f"or omitted; cross-attention (shapes q, k, v = {shapes}) is supported by "
+            f"{', '.join(CROSS_ATTENTION)} only"
         )
-    x = inputs_q
-    if x.ndim != 3:
-        raise ValueError(f"x must be [batch, length, dim], got shape {x.shape}")
-    batch, length = x.shape[:2]
-    if mask is None:
-        mask = jnp.ones((batch, length), jnp.bool_)
-    elif not legacy:
-        if mask.ndim < 2:
-            raise ValueError(
-                f"{name}: mask shape {tuple(mask.shape)} does not broadcast to "
-                f"[batch, heads, q, k] = {(batch, module.num_heads, length, length)}"
-            )
-        mask = _key_mask_from_pairs(module, mask, batch, length)
+    x, _, _, mask = _read_call(module, inputs_q, inputs_k, inputs_v, mask)
     check_inputs(x, mask)
     return x, mask
+
+
+def cross_attention_call(
+    module: nn.Module,
+    inputs_q: Array,
+    inputs_k: Array | None = None,
+    inputs_v: Array | None = None,
+    mask: Array | None = None,
+) -> tuple[Array, Array, Array, Array, Array]:
+    """The first line of a mechanism that attends one sequence to another: both call
+    conventions (as :func:`attention_call`) ->
+    ``(x_q [B, q, dim], x_k [B, k, dim_k], x_v [B, k, dim_v], key_mask [B, k],
+    query_mask [B, q])``, bool masks.
+
+    ``inputs_k`` defaults to ``inputs_q`` and ``inputs_v`` to ``inputs_k`` (flax's rule).
+    ``mask``: ``[batch, k]`` (today's ``[batch, length]`` when attending to itself), or
+    broadcastable to ``[batch, heads, q, k]`` and constant along heads and queries (a
+    key-padding mask; a pair mask is refused). ``query_mask`` says which queries count as
+    real in the statistics: the key mask itself when keys and values are the queries'
+    own sequence, all True otherwise (a key-padding mask says nothing of the queries).
+    """
+    x_q, x_k, x_v, key_mask = _read_call(module, inputs_q, inputs_k, inputs_v, mask)
+    if x_k is x_q and x_v is x_q:
+        query_mask = key_mask
+    else:
+        query_mask = jnp.ones(x_q.shape[:2], jnp.bool_)
+    return x_q, x_k, x_v, key_mask, query_mask
 
 
 def check_positive(name: str, value: int) -> None:
@@ -216,15 +285,23 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def project_qkv(x: Array, num_heads: int, head_dim: int, dtype: Any) -> tuple[Array, Array, Array]:
+def project_qkv(
+    x: Array,
+    num_heads: int,
+    head_dim: int,
+    dtype: Any,
+    x_k: Array | None = None,
+    x_v: Array | None = None,
+) -> tuple[Array, Array, Array]:
     """Per-head projections, called inside a compact ``__call__``.
 
     x [batch, length, dim] -> (q, k, v), each [batch, length, num_heads, head_dim], made by
-    submodules named ``query``, ``key`` and ``value`` of the calling module.
+    submodules named ``query``, ``key`` and ``value`` of the calling module. With ``x_k``
+    / ``x_v`` (cross-attention: [batch, k, dim]) keys and values are projected from them.
     """
     q = head_dense(num_heads, head_dim, dtype, "query")(x)
-    k = head_dense(num_heads, head_dim, dtype, "key")(x)
-    v = head_dense(num_heads, head_dim, dtype, "value")(x)
+    k = head_dense(num_heads, head_dim, dtype, "key")(x if x_k is None else x_k)
+    v = head_dense(num_heads, head_dim, dtype, "value")(x if x_v is None else x_v)
     return q, k, v
 
 

@@ -29,10 +29,15 @@ explicit softmax, since ``jax.nn.dot_product_attention`` offers none) and by
 ``"chunked"`` (each block's mask drawn from the ``dropout`` stream folded with the block
 index, so the backward pass regenerates it); ``"cudnn"`` refuses a nonzero rate.
 
+Cross-attention (``inputs_k`` / ``inputs_v`` of another length than ``inputs_q``, with a
+key-padding mask over the keys) runs through every implementation: queries are chunked,
+keys and values are attended whole.
+
 Statistics follow the registry contract so that plots and logs treat every mechanism
 alike: ``density`` is 1 (every real query-key pair is attended) and ``edges`` is the
-number of real pairs, both ``[batch, heads]``. The density is a constant, so a density
-regulariser adds nothing to full attention's gradient.
+number of real pairs, both ``[batch, heads]`` (across two sequences every query counts as
+real: a key-padding mask says nothing of the queries). The density is a constant, so a
+density regulariser adds nothing to full attention's gradient.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sbm_jax.attention._projections import attention_call, check_int, head_dense, out_dense
+from sbm_jax.attention._projections import (
+    check_int,
+    cross_attention_call,
+    head_dense,
+    out_dense,
+)
 from sbm_jax.attention.counting import SOFTMAX, projection_flops, projection_params
 from sbm_jax.attention.registry import STATS_COLLECTION, register
 
@@ -115,8 +125,8 @@ def _block_attention(
     q: Array, k: Array, v: Array, key_mask: Array, keep: Array | None, keep_prob: float
 ) -> Array:
     """Exact softmax attention of queries ``q [B, c, H, d]`` over all keys
-    ``k, v [B, n, H, d]`` (``key_mask [B, 1, 1, n]``): scores and softmax in float32,
-    weights cast to the values' dtype. ``keep [B, H, c, n]``: dropout's kept weights."""
+    ``k, v [B, m, H, d]`` (``key_mask [B, 1, 1, m]``): scores and softmax in float32,
+    weights cast to the values' dtype. ``keep [B, H, c, m]``: dropout's kept weights."""
     scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     logits = logits * scale  # float32 scores, not bf16 ones cast up
@@ -139,15 +149,17 @@ def chunked_attention(
 ) -> Array:
     """Exact softmax attention, ``query_chunk`` queries at a time.
 
-    ``q, k, v [B, n, H, d]``, ``key_mask [B, n]`` bool (True: a real key) ->
-    ``[B, n, H, d]``. The blocks run one after another under ``lax.map``, each under
-    ``jax.checkpoint``: the backward pass recomputes a block's scores instead of storing
-    them, so scratch memory is ``O(B H query_chunk n)``. A length that is not a multiple
+    ``q [B, n, H, d]``, ``k, v [B, m, H, d]`` (``m = n`` when a sequence attends to
+    itself), ``key_mask [B, m]`` bool (True: a real key) -> ``[B, n, H, d]``. The blocks
+    run one after another under ``lax.map``, each under ``jax.checkpoint``: the backward
+    pass recomputes a block's scores instead of storing them, so scratch memory is
+    ``O(B H query_chunk m)``. A length that is not a multiple
     of ``query_chunk`` gets zero queries appended up to one (dropped from the output).
     Attention dropout (``dropout_rate > 0`` with ``dropout_rng``): block ``i``'s mask is
     drawn from ``fold_in(dropout_rng, i)``, the same in the forward and backward pass.
     """
     batch, length, heads, dim = q.shape
+    keys = k.shape[1]
     chunk = min(int(query_chunk), length)
     blocks = -(-length // chunk)
     padded = blocks * chunk
@@ -165,7 +177,7 @@ def chunked_attention(
         keep = None
         if use_dropout:
             rng = jax.random.fold_in(dropout_rng, index)  # type: ignore[arg-type]
-            keep = jax.random.bernoulli(rng, keep_prob, (batch, heads, chunk, length))
+            keep = jax.random.bernoulli(rng, keep_prob, (batch, heads, chunk, keys))
         return _block_attention(q_block, k, v, mask4, keep, keep_prob)
 
     out = jax.lax.map(block, (jnp.arange(blocks), q_blocks))  # [blocks, B, chunk, H, d]
@@ -174,10 +186,10 @@ def chunked_attention(
 
 
 def cudnn_attention(q: Array, k: Array, v: Array, key_mask: Array) -> Array:
-    """cuDNN flash attention of ``q, k, v [B, n, H, d]`` over the real keys of
-    ``key_mask [B, n]``: the keys (and values) are reordered real ones first, a stable
-    order, and their count is passed as ``key_value_seq_lengths``, which is exact for
-    any mask since attention does not depend on the keys' order."""
+    """cuDNN flash attention of ``q [B, n, H, d]`` over the real keys of ``k, v
+    [B, m, H, d]`` (``key_mask [B, m]``): the keys (and values) are reordered real ones
+    first, a stable order, and their count is passed as ``key_value_seq_lengths``, which
+    is exact for any mask since attention does not depend on the keys' order."""
     key_mask = key_mask.astype(jnp.bool_)
     order = jnp.argsort(~key_mask, axis=-1, stable=True)  # real keys first
     k = jnp.take_along_axis(k, order[:, :, None, None], axis=1)
@@ -252,17 +264,21 @@ class FullAttention(nn.Module):
         mask: Array | None = None,
         deterministic: bool,
     ) -> Array:
-        """x [batch, length, dim], mask [batch, length] bool -> [batch, length, out_dim]."""
-        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
+        """x [batch, length, dim], mask [batch, length] bool -> [batch, length, out_dim];
+        or cross-attention: inputs_q [batch, q, dim], inputs_k / inputs_v [batch, k, dim],
+        a key mask -> [batch, q, out_dim] (``cross_attention_call``)."""
+        x, x_k, x_v, mask, query_mask = cross_attention_call(
+            self, inputs_q, inputs_k, inputs_v, mask
+        )
         self.validate()
         batch, length, _ = x.shape
-        mask = mask.astype(jnp.bool_)
+        keys = x_k.shape[1]
 
-        def project(name: str) -> Array:
+        def project(name: str, inputs: Array) -> Array:
             dense = head_dense(self.num_heads, self.head_dim, self.dtype, name)
-            return dense(x)  # [batch, length, heads, head_dim]
+            return dense(inputs)  # [batch, length, heads, head_dim]
 
-        q, k, v = project("query"), project("key"), project("value")
+        q, k, v = project("query", x), project("key", x_k), project("value", x_v)
         dropout = not deterministic and self.attention_dropout > 0.0
         impl = resolve_implementation(
             self.implementation,
@@ -274,7 +290,7 @@ class FullAttention(nn.Module):
         )
         # Only keys are masked: padded queries still see real keys (their outputs are
         # ignored downstream), so no row is empty and nothing turns NaN.
-        key_mask = mask[:, None, None, :]  # [batch, 1, 1, length]
+        key_mask = mask[:, None, None, :]  # [batch, 1, 1, keys]
         if impl == "cudnn":
             out = cudnn_attention(q, k, v, mask)
         elif impl == "chunked":
@@ -291,13 +307,15 @@ class FullAttention(nn.Module):
             out = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
         else:
             keep_prob = 1.0 - self.attention_dropout
-            shape = (batch, self.num_heads, length, length)
+            shape = (batch, self.num_heads, length, keys)
             keep = jax.random.bernoulli(self.make_rng("dropout"), keep_prob, shape)
             out = _block_attention(q, k, v, key_mask, keep, keep_prob)
         chex.assert_shape(out, (batch, length, self.num_heads, self.head_dim))
 
-        real = jnp.sum(mask, axis=-1, dtype=jnp.float32)  # [batch]
-        edges = jnp.broadcast_to((real * real)[:, None], (batch, self.num_heads))
+        real_keys = jnp.sum(mask, axis=-1, dtype=jnp.float32)  # [batch]
+        real_queries = jnp.sum(query_mask, axis=-1, dtype=jnp.float32)
+        pairs = real_queries * real_keys
+        edges = jnp.broadcast_to(pairs[:, None], (batch, self.num_heads))
         density = jnp.where(edges > 0, 1.0, 0.0)
         self.sow(STATS_COLLECTION, "density", density)
         self.sow(STATS_COLLECTION, "edges", edges)

@@ -6,7 +6,9 @@ query i is the kernel-normalised average
     out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps),
 
 computed right to left so that no n x n matrix is formed. Padded keys have their
-features and values zeroed, so they drop out of both sums exactly.
+features and values zeroed, so they drop out of both sums exactly. The keys and values
+may come from another sequence than the queries (cross-attention): the sums run over
+the keys only.
 
 ``attention_dropout`` is not applied: no attention weights are ever formed (as in the
 paper and in the LRA reference code).
@@ -22,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    attention_call,
     check_real,
     compute_dtype,
+    cross_attention_call,
     project_out,
     project_qkv,
 )
@@ -43,13 +45,14 @@ def linear_attention(q: Array, k: Array, v: Array, mask: Array, eps: float = 1e-
     """Normalised linear attention with the elu+1 feature map.
 
     Args:
-      q, k: [batch, length, heads, d].
-      v: [batch, length, heads, dv].
-      mask: bool [batch, length], True for real tokens (padded keys are removed).
+      q: [batch, n, heads, d].
+      k: [batch, m, heads, d] (m = n when a sequence attends to itself).
+      v: [batch, m, heads, dv].
+      mask: bool [batch, m], True for real keys (padded keys are removed).
       eps: added to the normaliser (keeps rows with no real key finite).
 
     Returns:
-      [batch, length, heads, dv].
+      [batch, n, heads, dv].
     """
     keep = mask.astype(q.dtype)[:, :, None, None]
     phi_q = elu_feature_map(q)
@@ -110,11 +113,12 @@ class LinearAttention(nn.Module):
         mask: Array | None = None,
         deterministic: bool,
     ) -> Array:
-        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
+        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]; or across two
+        sequences, inputs_k / inputs_v [B, m, dim] with a key mask -> [B, n, out_dim]."""
         del deterministic  # no randomness: attention weights are never formed
-        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
+        x, x_k, x_v, mask, _ = cross_attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
-        q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
+        q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype, x_k, x_v)
         ct = compute_dtype(self.dtype)
         out = linear_attention(q.astype(ct), k.astype(ct), v.astype(ct), mask, self.eps)
         return project_out(out, self.out_dim, self.dtype)

@@ -14,7 +14,8 @@ to m positive features with a random matrix ``W [m, d]`` (rows ``w_r``):
 
 Attention is then ``phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1)``, computed right to left.
 Padded keys are zeroed before the feature map and their features after it, so they
-never enter either sum.
+never enter either sum. The keys and values may come from another sequence than the
+queries (cross-attention): only the keys' sums depend on them.
 
 Random features: ``W`` has orthogonal rows in blocks of d (QR of Gaussian blocks, rows
 rescaled by the norms of independent Gaussian vectors) when ``orthogonal=True``, else iid
@@ -46,11 +47,11 @@ import jax
 import jax.numpy as jnp
 
 from sbm_jax.attention._projections import (
-    attention_call,
     check_int,
     check_positive,
     check_real,
     compute_dtype,
+    cross_attention_call,
     project_out,
     project_qkv,
 )
@@ -139,12 +140,13 @@ def favor_attention(
     """FAVOR+ attention with random features ``features`` [m, d].
 
     Args:
-      q, k: [batch, length, heads, d] (unscaled: the d^-1/4 scaling is applied here).
-      v: [batch, length, heads, dv].
-      mask: bool [batch, length], True for real tokens.
+      q: [batch, n, heads, d] (unscaled: the d^-1/4 scaling is applied here).
+      k: [batch, m, heads, d], unscaled (m = n when a sequence attends to itself).
+      v: [batch, m, heads, dv].
+      mask: bool [batch, m], True for real keys.
 
     Returns:
-      [batch, length, heads, dv]; a query whose normaliser is 0 (only possible with
+      [batch, n, heads, dv]; a query whose normaliser is 0 (only possible with
       eps = 0) outputs 0.
     """
     d = q.shape[-1]
@@ -249,11 +251,12 @@ class PerformerAttention(nn.Module):
         mask: Array | None = None,
         deterministic: bool,
     ) -> Array:
-        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]."""
+        """x [B, n, dim], mask [B, n] (True = real) -> [B, n, out_dim]; or across two
+        sequences, inputs_k / inputs_v [B, m, dim] with a key mask -> [B, n, out_dim]."""
         del deterministic  # features follow `redraw` and the `sample` stream instead
-        x, mask = attention_call(self, inputs_q, inputs_k, inputs_v, mask)
+        x, x_k, x_v, mask, _ = cross_attention_call(self, inputs_q, inputs_k, inputs_v, mask)
         self.validate()
-        q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype)
+        q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.dtype, x_k, x_v)
         if self.redraw and self.has_rng("sample"):
             key = self.make_rng("sample")
         else:

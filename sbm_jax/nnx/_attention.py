@@ -33,9 +33,12 @@ class Attention(LinenFace):
 
     Call: ``layer(x, mask)`` with x ``[batch, length, in_features]``, mask
     ``[batch, length]`` bool; or flax's ``MultiHeadAttention`` convention
-    ``layer(inputs_q, mask=m)`` with m broadcastable to ``[batch, heads, q, k]`` (a key
-    padding mask; see ``sbm_jax.attention._projections.attention_call``). ``layer.stats``
-    holds what the call sowed (``layer.stats["density"]`` ``[batch, heads]``, ...).
+    ``layer(inputs_q, inputs_k=None, inputs_v=None, mask=m)`` with m broadcastable to
+    ``[batch, heads, q, k]`` (a key padding mask; see ``sbm_jax.attention._projections``).
+    Cross-attention (``inputs_k`` / ``inputs_v`` of another sequence) runs where the
+    mechanism supports it (``full``, ``linear``, ``performer``) and is refused in one line
+    elsewhere. ``layer.stats`` holds what the call sowed (``layer.stats["density"]``
+    ``[batch, heads]``, ...).
     """
 
     mechanism: ClassVar[str]
