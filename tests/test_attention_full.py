@@ -221,7 +221,7 @@ def test_cudnn_is_refused_off_gpu_and_in_float32(monkeypatch):
             "flash",
             "implementation must be one of ('auto', 'xla', 'chunked', 'cudnn'), got 'flash'",
         ),
-        ("query_chunk", 0, "query_chunk must be an int >= 1, got 0"),
+        ("query_chunk", -1, "query_chunk must be an int >= 0, got -1"),
     ],
 )
 def test_config_check_refuses_bad_full_options_on_one_line(option, value, message):

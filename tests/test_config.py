@@ -300,9 +300,19 @@ def test_option_table_scales_inherit_and_follow_the_length():
     assert presets.attention_options("sbm_poisson", "paper", 64).edge_law == "poisson"
     assert presets.registry_name("sbm_nowindow") == "sbm"
     assert presets.attention_options("linear", "smoke", 8).to_dict() == {}
-    # Full attention's query block keeps <= 2^21 scores per (example, head) per block.
+    # Full attention's query block is the layer's automatic one (0): 2^19 scores per
+    # (example, head) per block, in [16, 512] queries.
+    from sbm_jax.attention.full import default_query_chunk
+
     full = [presets.attention_options("full", "paper", n).to_dict() for n in (8, 4096, 16384)]
-    assert [f["query_chunk"] for f in full] == [512, 512, 128]
+    assert [f["query_chunk"] for f in full] == [0, 0, 0]
+    assert [default_query_chunk(n) for n in (8, 1024, 4096, 16384, 2**20)] == [
+        512,
+        512,
+        128,
+        32,
+        16,
+    ]
     assert {f["implementation"] for f in full} == {"auto"}
 
 

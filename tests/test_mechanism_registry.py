@@ -92,7 +92,7 @@ def test_analytic_param_count_equals_a_real_init(name, options):
 def test_option_defaults_are_the_module_fields():
     # Written out by hand from the class bodies: the registry derives them, once.
     assert option_defaults("linformer") == {"proj_len": 256, "max_len": 4096, "share_kv": False}
-    assert option_defaults("full") == {"implementation": "auto", "query_chunk": 512}
+    assert option_defaults("full") == {"implementation": "auto", "query_chunk": 0}
     assert option_defaults("local") == {"window": 64, "causal": False}
     assert option_defaults("sparse_fixed") == {
         "stride": None,

@@ -92,6 +92,19 @@ def _is_cudnn_dtype(dtype: Any) -> bool:
     return any(jnp.dtype(dtype) == jnp.dtype(t) for t in CUDNN_DTYPES)
 
 
+#: Scores per (example, head) a chunked block aims at: ``query_chunk = 2^19 // n``.
+#: Measured on a 2-core x86 CPU, fwd+bwd, whole layers (B=2, H=2, d_h=32; n=16384 at
+#: B=1), against fixed blocks: the fastest block and among the smallest in memory at every
+#: length (docs/benchmarks.md, "The exact baseline").
+CHUNK_SCORES = 2**19
+
+
+def default_query_chunk(length: int) -> int:
+    """``query_chunk=0``'s block for ``length`` keys: ``2^19 // length`` queries, in
+    ``[16, 512]`` (n=1024: 512, n=4096: 128, n=16384: 32)."""
+    return int(min(512, max(16, CHUNK_SCORES // max(int(length), 1))))
+
+
 def resolve_implementation(
     implementation: str,
     *,
@@ -214,7 +227,8 @@ class FullAttention(nn.Module):
       implementation: ``"auto"``, ``"xla"``, ``"chunked"`` or ``"cudnn"`` (module
         docstring); the same parameters for all.
       query_chunk: queries per block of ``"chunked"`` (and the length above which
-        ``"auto"`` chunks); lengths that are not a multiple are padded up to one.
+        ``"auto"`` chunks); lengths that are not a multiple are padded up to one. 0
+        (default): :func:`default_query_chunk` of the number of keys.
     """
 
     num_heads: int
@@ -223,7 +237,7 @@ class FullAttention(nn.Module):
     attention_dropout: float = 0.0
     dtype: Any = jnp.float32
     implementation: str = "auto"
-    query_chunk: int = 512
+    query_chunk: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the bad option (the config check calls it too),
@@ -233,7 +247,7 @@ class FullAttention(nn.Module):
                 f"model.attention_options.implementation must be one of {IMPLEMENTATIONS}, "
                 f"got {self.implementation!r}"
             )
-        check_int("model.attention_options.query_chunk", self.query_chunk)
+        check_int("model.attention_options.query_chunk", self.query_chunk, minimum=0)
         if self.implementation != "cudnn":
             return
         backend = jax.default_backend()
@@ -280,12 +294,13 @@ class FullAttention(nn.Module):
 
         q, k, v = project("query", x), project("key", x_k), project("value", x_v)
         dropout = not deterministic and self.attention_dropout > 0.0
+        chunk = self.query_chunk or default_query_chunk(keys)
         impl = resolve_implementation(
             self.implementation,
             length=length,
             head_dim=self.head_dim,
             dtype=self.dtype,
-            query_chunk=self.query_chunk,
+            query_chunk=chunk,
             dropout=dropout,
         )
         # Only keys are masked: padded queries still see real keys (their outputs are
@@ -299,7 +314,7 @@ class FullAttention(nn.Module):
                 k,
                 v,
                 mask,
-                query_chunk=self.query_chunk,
+                query_chunk=chunk,
                 dropout_rate=self.attention_dropout if dropout else 0.0,
                 dropout_rng=self.make_rng("dropout") if dropout else None,
             )
