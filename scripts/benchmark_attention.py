@@ -981,7 +981,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_numbers(p, args, positive=("lra_batch", "calibrate", "max_gib", "peer_sizes"))
     from sbm_jax.kernels import KERNELS
 
-    impls = ("segment", *KERNELS)
+    impls = ("segment", *KERNELS, "fused")  # fused: the whole CPU kernel (--calibrate only)
     for impl in args.impls:
         if impl not in impls:
             p.error(f"--impls: {impl!r} is not a core kernel; choose from {', '.join(impls)}")
@@ -1201,7 +1201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cap = math.ceil(dd * n * n)
             slots = b * h * cap
             if slots * 13 > max_bytes / 2:
-                for impl in args.impls:
+                for impl in (i for i in args.impls if i != "fused"):
                     log(
                         {
                             "section": "core",
@@ -1215,7 +1215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             arr = uniform_edge_arrays(rng, n, n, dd, b * h)
             ea = {name: _split_bh(a, b, h) for name, a in arr.items()}
             edges_valid = int(arr["valid"].sum())
-            for impl in args.impls:
+            for impl in (i for i in args.impls if i != "fused"):
                 rec = {
                     "section": "core",
                     "n": n,

@@ -355,3 +355,22 @@ def test_a_failed_build_names_the_compiler_error(monkeypatch, tmp_path):
     with pytest.raises(fused.FusedUnavailable, match="building the fused CPU kernel failed"):
         fused._build(tmp_path / "x.so")
     assert not list(tmp_path.glob("*.so")), "no half-written library is left behind"
+
+
+@pytest.mark.slow
+def test_the_portable_build_without_vector_extensions_gives_the_same_numbers(tmp_path):
+    # The library built for a plain x86-64 (no AVX2, no AVX-512: the scalar Philox,
+    # searches and loops) passes the law and numbers tests above, in a fresh process.
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build is checked on x86-64")
+    env = dict(os.environ, SBM_JAX_FUSED_ARCH="x86-64", SBM_JAX_CACHE=str(tmp_path))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "law or numbers or threads or vmap"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert list(tmp_path.glob("fused_cpu-*.so")), "the portable library was built there"

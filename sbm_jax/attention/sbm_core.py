@@ -51,6 +51,7 @@ from sbm_jax.fastrg import (
     row_max_bound,
     sample_edge_keys,
 )
+from sbm_jax.kernels.cost import edge_cost as calibrated_edge_cost
 from sbm_jax.kernels.dense import streamed_sbm_attention
 from sbm_jax.kernels.pairs import expected_pair_sum, with_absent_pairs
 from sbm_jax.kernels.streamed import StreamConfig, streamed_graphs
@@ -499,12 +500,11 @@ def _fused_core(
     rng, q, k, v, q_memberships, block, k_memberships, mask, *, delta, dropout_rng, options
 ):
     """``kernel="fused"``: every graph sampled and attended in one native call per pass
-    (:mod:`sbm_jax.kernels.fused`). The kernel draws a row pair by pair itself where that
-    is cheaper (many draws) or where the bernoulli oversampling would explode (a row bound
-    above 0.995), with the same law, so no dense branch sits beside it and no
-    ``lax.switch`` reserves the dense path's memory; sequences with ``n*m <=
-    dense_below`` take the dense path under ``impl="auto"`` (:func:`plan_fused`). No
-    capacity: memory follows neither the draws nor a bucket, and no draw is ever lost."""
+    (:mod:`sbm_jax.kernels.fused`), or, with ``impl="auto"``, per batch the dense path
+    where the cost model says the batch's draws cost more than it (:func:`plan_fused`).
+    The kernel draws a row pair by pair itself where that is cheaper than its draws or
+    where the bernoulli oversampling would explode (a row bound above 0.995), with the
+    same law. No capacity: no draw is ever lost."""
     from sbm_jax.kernels.fused import FusedConfig, default_threads, fused_sbm_attention
 
     o = options
@@ -559,14 +559,29 @@ def _fused_core(
         out, num = run(sample_keys, drop_keys, q, k, v, ys, zk, masks, deltas)
         return out, num / real_pairs, jax.lax.stop_gradient(num).astype(jnp.int32)
 
-    run_fused = plan_fused(o, batch=batch, heads=heads, length=length)
+    run_fused, run_dense = plan_fused(o, batch=batch, heads=heads, length=length)
     ops = (q, k, v, ys, zk, oversample, counts)
     if not run_fused:
         out, density, edges = dense_branch(ops)
         path = jnp.asarray(dense_index, jnp.int32)
-    else:
+    elif not run_dense:
         out, density, edges = fused_branch(ops)
         path = jnp.asarray(0, jnp.int32)
+    else:
+        # The batch's draws (and forced pairs) against its pairs, in the cost model's unit.
+        cost = calibrated_edge_cost("fused") if o.edge_cost is None else o.edge_cost
+        pairs = batch * heads * length * length
+        draws = jnp.sum(counts).astype(f32) + o.forced_per_row(length) * length * batch * heads
+        use_dense = False if cost is None else draws * cost >= jnp.float32(pairs)
+        # Each branch keeps only its output and log-normaliser (lax.switch gives every
+        # branch the union of the branches' residuals, zero-filled in the others).
+        branches = [
+            jax.checkpoint(fused_branch, policy=SPARSE_BRANCH_POLICY),
+            jax.checkpoint(dense_branch, policy=SPARSE_BRANCH_POLICY),
+        ]
+        index = jnp.asarray(use_dense, jnp.int32)
+        out, density, edges = jax.lax.switch(index, branches, ops)
+        path = jnp.where(index == 1, dense_index, 0).astype(jnp.int32)
     overflow = jnp.zeros((batch, heads), bool)
     stats = {"density": density, "edges": edges, "overflow": overflow, "path": path}
     return out, stats

@@ -315,15 +315,23 @@ def plan_stream(
     return bq, caps, dense_allowed
 
 
-def plan_fused(options: SBMOptions, *, batch: int, heads: int, length: int) -> bool:
-    """Static plan of ``kernel="fused"``: whether the fused kernel runs (True) or the
-    dense path (False: ``impl="auto"`` with ``n*m <= dense_below``, where the dense path
-    is allowed). There is no dense branch beside the kernel: it draws a row pair by pair
-    itself where that is cheaper or where the bernoulli bound is too close to 1, and it
-    has no capacity, so no draw is ever lost."""
+def plan_fused(options: SBMOptions, *, batch: int, heads: int, length: int) -> tuple[bool, bool]:
+    """Static plan of ``kernel="fused"``: ``(fused kernel compiled, dense path compiled)``.
+
+    The dense path alone for ``impl="auto"`` and ``n*m <= dense_below``; with
+    ``impl="auto"`` otherwise both, the batch choosing one on device where the cost model
+    (:mod:`sbm_jax.kernels.cost`, ``edge_cost`` overriding it) says its draws cost more
+    than the dense path (a batch near density 1 costs the kernel ``n m`` pair tests and
+    an edge's attention each; the dense path is matrix products), unless
+    ``batch*heads*n*m > max_dense_elements`` rules the dense path out; with
+    ``impl="sparse"`` the kernel alone. The kernel has no capacity (no draw is ever lost)
+    and draws a row whose bernoulli bound is too close to 1 pair by pair itself.
+    """
     n = m = length
     dense_allowed = batch * heads * n * m <= options.max_dense_elements
-    return not (options.impl == "auto" and dense_allowed and n * m <= options.dense_below)
+    if options.impl == "auto" and dense_allowed and n * m <= options.dense_below:
+        return False, True
+    return True, dense_allowed and options.impl == "auto"
 
 
 def choose_paths(
@@ -335,8 +343,7 @@ def choose_paths(
     :func:`plan_stream`'s per-block buffers and the flag whether blocks may run dense;
     with the fused kernel there are no capacities (:func:`plan_fused`)."""
     if options.fused:
-        fused = plan_fused(options, batch=batch, heads=heads, length=length)
-        return (), not fused
+        return (), plan_fused(options, batch=batch, heads=heads, length=length)[1]
     if options.impl == "streamed":
         _, caps, dense = plan_stream(options, batch=batch, heads=heads, length=length)
         return caps, dense

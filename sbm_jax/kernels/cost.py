@@ -36,7 +36,9 @@ import jax
 #: Cost of one sparse slot in dense-branch pairs (forward + backward), per backend and
 #: kernel, measured with ``scripts/benchmark_attention.py --calibrate 2048 --impls rows
 #: segment`` (B=2, H=2, d_h=32, k=128, n=2048, 5% density in a bucket of 10% of n^2,
-#: float32; docs/benchmarks.md). ``cpu``: a 2-core x86 CPU; buckets below ~1/8 of n*m
+#: float32; docs/benchmarks.md). ``fused`` (CPU only) costs one sampled edge, not a
+#: slot (``--calibrate 2048 4096 --impls fused``): a batch whose draws times it reach
+#: its pairs runs the dense path. ``cpu``: a 2-core x86 CPU; buckets below ~1/8 of n*m
 #: run sparse with ``rows`` (the defaults 1/64 and 1/16, not 1/4), below ~1/15 with
 #: ``segment``. ``gpu``: an NVIDIA H100; only buckets below ~1/51 of n*m run sparse (the
 #: default 1/64), since the dense branch is matrix products and the sparse one gathers,
@@ -44,10 +46,15 @@ import jax
 #: (GPU only) is not measured yet: ``scripts/accelerator_check.py`` measures it with the
 #: rest of the GPU table. ``tpu``: nothing measured (no TPU was available), so no entry.
 EDGE_COST: dict[str, dict[str, float]] = {
-    "cpu": {"rows": 7.6, "segment": 15.3, "fused": 1.0},
+    "cpu": {"rows": 7.6, "segment": 15.3, "fused": 8.2},
     "gpu": {"rows": 51.0, "segment": 88.0},
     "tpu": {},
 }
+
+#: Bucket slots per sampled edge when ``kernel="auto"`` compares kernels: a bucket kernel's
+#: cost is per slot of its bucket, which the calibration fills about half (as buckets 4x
+#: apart are), the fused kernel's per sampled edge (it has no buckets).
+SLOTS_PER_EDGE = 2.0
 
 #: Kernels that run on one backend only (:data:`sbm_jax.kernels.KERNEL_BACKENDS`).
 _ONLY_ON = {"triton": "gpu", "fused": "cpu"}
@@ -77,7 +84,7 @@ def resolve_kernel(kernel: str, backend: str | None = None) -> str:
     backend = jax.default_backend() if backend is None else backend
     if kernel == "auto":
         measured = {
-            name: cost
+            name: cost * (1.0 if name == "fused" else SLOTS_PER_EDGE)
             for name, cost in EDGE_COST.get(backend, {}).items()
             if _ONLY_ON.get(name, backend) == backend and _usable(name)
         }

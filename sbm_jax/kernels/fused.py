@@ -15,8 +15,9 @@ over the threads when there are fewer graphs than threads).
 
 The library is compiled from source on first use with the C++ compiler on ``PATH``
 (``$CXX``, else ``g++``, ``c++`` or ``clang++``) against JAX's own FFI headers
-(``jax.ffi.include_dir()``), with ``-march=native``, and cached per source, compiler,
-jaxlib and CPU under ``$SBM_JAX_CACHE`` (default ``~/.cache/sbm_jax``). Where that fails
+(``jax.ffi.include_dir()``), with ``-march=native`` (``$SBM_JAX_FUSED_ARCH`` overrides
+it), and cached per source, flags, compiler, jaxlib and CPU under ``$SBM_JAX_CACHE``
+(default ``~/.cache/sbm_jax``). Where that fails
 (no compiler, another OS), :func:`fused_status` says why, ``kernel="auto"`` takes the
 ``rows`` kernel with one warning, and ``kernel="fused"`` is refused with the reason.
 ``SBM_JAX_FUSED_THREADS`` caps the threads (default: the CPUs this process may use).
@@ -50,10 +51,11 @@ from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.ste import STE_MODES
 
 SOURCE = Path(__file__).with_name("fused_cpu.cc")
-#: Compiler flags of the native library (part of the cache key).
+#: Compiler flags of the native library (part of the cache key), besides
+#: ``-march=$SBM_JAX_FUSED_ARCH`` (default ``native``: the AVX-512 or AVX2 paths where the
+#: CPU has them; e.g. ``x86-64`` builds the portable scalar paths, as the tests do).
 CXX_FLAGS = (
     "-O3",
-    "-march=native",
     "-std=c++17",
     "-shared",
     "-fPIC",
@@ -96,6 +98,10 @@ def _compiler() -> str | None:
     return None
 
 
+def _arch_flags() -> tuple[str, ...]:
+    return (f"-march={os.environ.get('SBM_JAX_FUSED_ARCH', 'native')}",)
+
+
 def _cpu_signature() -> str:
     """What ``-march=native`` depends on: the CPU's model and feature flags."""
     try:
@@ -119,7 +125,7 @@ def library_path() -> Path:
     h = hashlib.sha256()
     for part in (
         SOURCE.read_bytes(),
-        " ".join(CXX_FLAGS).encode(),
+        " ".join((*CXX_FLAGS, *_arch_flags())).encode(),
         version.encode(),
         header.read_bytes() if header.exists() else b"",
         _cpu_signature().encode(),
@@ -140,7 +146,16 @@ def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [
+        cxx,
+        *CXX_FLAGS,
+        *_arch_flags(),
+        "-isystem",
+        jax.ffi.include_dir(),
+        str(SOURCE),
+        "-o",
+        tmp,
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

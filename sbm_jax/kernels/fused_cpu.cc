@@ -320,7 +320,8 @@ static inline int64_t bisect(const double* cdf, int64_t len, double target) {
 struct Block {
   int64_t rows_max = 0, ecap = 0;
   uint64_t* bits;    // [rows_max][nw] each row's draws, collapsed
-  double* rcdf;      // [rows_pow2(K + 1)] a row's cluster CDF, +inf padded
+  double* rcdf;      // [pow2_at_least(K + 1 + kPad)] a row's cluster CDF, +inf padded
+  int32_t* rguide;   // [K] its guide table
   uint32_t* u;       // [4 * kDrawBlock] Philox words of a row's draws
   int32_t* dcl;      // [kDrawCap] pending draws: cluster, local row, key word
   uint16_t* drow;
@@ -362,7 +363,8 @@ static void layout(const Dims& D, bool with_acc, Bump& b, Slot& s) {
   k.rows_max = block_rows_max(D);
   k.ecap = block_edge_cap(D);
   k.bits = b.take<uint64_t>(k.rows_max * nw);
-  k.rcdf = b.take<double>(pow2_at_least(K + 1));
+  k.rcdf = b.take<double>(pow2_at_least(K + 1 + kPad));
+  k.rguide = b.take<int32_t>(K);
   k.u = b.take<uint32_t>(4 * kDrawBlock);
   k.dcl = b.take<int32_t>(kDrawCap);
   k.drow = b.take<uint16_t>(kDrawCap);
@@ -634,21 +636,42 @@ static void resolve_draws(const Dims& D, const Tables& t, Block& b, int64_t pend
 }
 
 // Row i drawn pair by pair: real key j is present with probability min(1, p_ij + delta)
-// (bernoulli) or 1 - exp(-(p_ij + delta)) (poisson), from the uniform of Philox counter
-// (i, j, dense stream); sets the row's bits.
+// (bernoulli) or 1 - exp(-(p_ij + delta)) (poisson), against the float uniform of the
+// first Philox word of counter (i, j, dense stream); sets the row's bits.
 static void sample_dense_row(const Dims& D, const Opts& O, const Graph& g, const Tables& t, uint64_t* bits,
                              int64_t i) {
   (void)t;
   const int64_t m = D.m, kc = D.kc;
   const float* ysi = g.ys + i * kc;
-  const double delta = g.delta;
-  uint32_t x[4];
-  for (int64_t j = 0; j < m; ++j) {
-    if (!g.km[j]) continue;
-    const double rate = static_cast<double>(dot(ysi, g.z + j * kc, kc)) + delta;
-    const double prob = O.law == kLawBernoulli ? std::min(1.0, rate) : -std::expm1(-rate);
-    philox(g.key0, g.key1, static_cast<uint32_t>(i), static_cast<uint32_t>(j), kStreamDense, 0, x);
-    if (x[0] * kTwoM32 < prob) set_bit(bits, j);
+  const float delta = g.delta;
+  alignas(64) float prob[16];
+  alignas(64) uint32_t words[16];
+  for (int64_t j0 = 0; j0 < m; j0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, m - j0);
+    for (int64_t x = 0; x < cnt; ++x) {
+      const int64_t j = j0 + x;
+      if (!g.km[j]) {
+        prob[x] = 0.0f;
+        continue;
+      }
+      const float rate = dot(ysi, g.z + j * kc, kc) + delta;
+      prob[x] = O.law == kLawBernoulli ? std::min(1.0f, rate) : -std::expm1(-rate);
+    }
+#if defined(__AVX512F__)
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i x0, x1, x2, x3;
+    philox16(g.key0, g.key1, static_cast<uint32_t>(i), _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j0)), lanes),
+             kStreamDense, &x0, &x1, &x2, &x3);
+    _mm512_store_si512(words, x0);
+#else
+    for (int64_t x = 0; x < cnt; ++x) {
+      uint32_t w[4];
+      philox(g.key0, g.key1, static_cast<uint32_t>(i), static_cast<uint32_t>(j0 + x), kStreamDense, 0, w);
+      words[x] = w[0];
+    }
+#endif
+    for (int64_t x = 0; x < cnt; ++x)
+      if (unit_float(words[x]) < prob[x]) set_bit(bits, j0 + x);
   }
 }
 
@@ -670,12 +693,23 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
     } else if (draws > 0 && t.mreal > 0) {
       const float* ysi = g.ys + i * kc;
       double* rc = b.rcdf;
-      const int64_t len = pow2_at_least(K + 1);
+      const int64_t len = pow2_at_least(K + 1 + kPad);
       rc[0] = 0.0;
       for (int64_t v = 0; v < kc; ++v) rc[v + 1] = rc[v] + static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
       rc[K] = rc[kc] + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
       for (int64_t x = K + 1; x < len; ++x) rc[x] = INFINITY;
       const double total = rc[K];
+      // Many draws: a guide table over the row's CDF (O(K) to build, then about one
+      // window compare per draw); few: a branchless bisection per draw.
+      const bool guided = draws >= K;
+      if (guided) {
+        int64_t v = 0;
+        for (int64_t q = 0; q < K; ++q) {
+          const double thr = total * static_cast<double>(q) / static_cast<double>(K);
+          while (v < K - 1 && rc[v + 1] <= thr) ++v;
+          b.rguide[q] = static_cast<int32_t>(v);
+        }
+      }
       if (total > 0.0) {
         const double mreal = static_cast<double>(t.mreal);
         uint32_t *u0 = b.u, *u1 = u0 + kDrawBlock, *u2 = u1 + kDrawBlock, *u3 = u2 + kDrawBlock;
@@ -688,7 +722,8 @@ static int64_t sample_block(const Dims& D, const Opts& O, const Graph& g, const 
             const uint32_t wc = (h & 1) ? u2[h >> 1] : u0[h >> 1];
             const uint32_t wk = (h & 1) ? u3[h >> 1] : u1[h >> 1];
             const double uc = wc * kTwoM32;
-            const int64_t c = bisect(rc, len, uc * total);
+            const int64_t c = guided ? search_from(rc, b.rguide[guide_index(uc, K)], uc * total)
+                                     : bisect(rc, len, uc * total);
             if (c == kc) {  // the exploration cluster: uniform over the real keys
               set_bit(bits, t.real[std::min(static_cast<int64_t>(wk * kTwoM32 * mreal), t.mreal - 1)]);
               continue;
