@@ -436,9 +436,18 @@ def _shifted(base, lam, d):
     return p
 
 
+def _path_name(rec: dict[str, Any]) -> str:
+    """What a layer record's ``path`` stat means: the dense path, the fused kernel, or a
+    capacity bucket."""
+    if rec.get("dense_path"):
+        return "dense"
+    return "fused kernel" if rec.get("kernel") == "fused" else "bucket"
+
+
 def stats_fn(mod, mask, key):
     """Jitted ``(params, x) -> stats`` of the SBM layer in training mode (one forward)."""
     from sbm_jax.attention import STATS_COLLECTION
+    from sbm_jax.kernels.cost import resolve_kernel
 
     @jax.jit
     def run(params, x):
@@ -459,6 +468,7 @@ def stats_fn(mod, mask, key):
             "density": float(dens),
             "path": int(path),
             "dense_path": int(path) == len(mod.capacity_buckets),
+            "kernel": resolve_kernel(mod.kernel),
             "overflow": int(overflow),
         }
 
@@ -1642,7 +1652,7 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             row["bytes_per_edge"] = r.get("temp_bytes", 0) / r["edges"]
         if r["section"] == "layer" and "path" in r:
             row["note"] = (
-                f"path {r['path']} ({'dense' if r.get('dense_path') else 'bucket'}), sampled "
+                f"path {r['path']} ({_path_name(r)}), sampled "
                 f"density {r['sampled_density']:.3f}"
             )
             if "median_round_ratio" in r:
