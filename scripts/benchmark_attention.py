@@ -1652,8 +1652,7 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             row["bytes_per_edge"] = r.get("temp_bytes", 0) / r["edges"]
         if r["section"] == "layer" and "path" in r:
             row["note"] = (
-                f"path {r['path']} ({_path_name(r)}), sampled "
-                f"density {r['sampled_density']:.3f}"
+                f"path {r['path']} ({_path_name(r)}), sampled density {r['sampled_density']:.3f}"
             )
             if "median_round_ratio" in r:
                 row["note"] += f"; median of per-round ratios {r['median_round_ratio']:.3f}"

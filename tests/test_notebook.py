@@ -52,7 +52,7 @@ def test_notebook_opens_in_colab_and_ships_outputs():
     assert "pip" in install and "{repo_dir}[{extras}]" in install
     # NNX first: a model of its own with the NNX SBM layer, trained with nnx.Optimizer.
     nnx_cell = next(c for c in nb.cells if "sbm_nnx.SBMAttention(" in c.source)
-    trainer_cell = next(c for c in nb.cells if "run_training(" in c.source)
+    trainer_cell = next(c for c in nb.cells if "train_and_evaluate(" in c.source)
     assert nb.cells.index(nnx_cell) < nb.cells.index(trainer_cell)
     assert "from sbm_jax import nnx as sbm_nnx" in nnx_cell.source
     assert "nnx.Optimizer(model, " in nnx_cell.source and "wrt=nnx.Param" in nnx_cell.source

@@ -623,3 +623,42 @@ def test_a_resume_with_another_number_of_accumulation_passes_says_the_draws_diff
         tiny_config(num_steps=3, max_per_device_batch=4), task, out, quiet, log_stream=log
     )
     assert "accumulation" not in log.getvalue()
+
+
+def test_a_terminal_that_hangs_up_mid_write_does_not_crash_the_run():
+    # Between a terminal hanging up and the SIGHUP's handler running, a progress line
+    # fails with EIO; the trainer's streams drop it (and later ones) instead of raising,
+    # so the run still reaches its save. Any other error still raises.
+    import errno
+
+    from sbm_jax.training.preemption import HangupSafe
+
+    class Terminal:
+        def __init__(self, err):
+            self.err, self.written = err, []
+
+        def write(self, text):
+            if self.err is not None:
+                raise OSError(self.err, os.strerror(self.err))
+            self.written.append(text)
+            return len(text)
+
+        def flush(self):
+            if self.err is not None:
+                raise OSError(self.err, os.strerror(self.err))
+
+        def isatty(self):
+            return True
+
+    live = Terminal(None)
+    safe = HangupSafe(live)
+    assert safe.write("step 1\n") == 7 and live.written == ["step 1\n"] and safe.isatty()
+    live.err = errno.EIO  # the terminal hangs up
+    assert safe.write("step 2\n") == 7  # dropped, not raised
+    safe.flush()
+    assert not safe.isatty()  # later lines go out as plain lines, to nowhere
+    live.err = None
+    safe.write("step 3\n")
+    assert live.written == ["step 1\n"], "nothing more reaches a hung-up terminal"
+    with pytest.raises(OSError, match="No space left"):
+        HangupSafe(Terminal(errno.ENOSPC)).write("x")

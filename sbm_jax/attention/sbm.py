@@ -128,6 +128,42 @@ def expected_token_densities(
     return query, key
 
 
+def memberships(
+    q: jax.Array,
+    kk: jax.Array,
+    w1: jax.Array,
+    b1: jax.Array,
+    w2: jax.Array,
+    b2: jax.Array,
+    clusters: jax.Array,
+    *,
+    shared_mlp: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer's ``(Qhat, Khat, S)`` (eqs. 5-7) from its heads-major queries and keys
+    ``[B, H, L, hd]``: ``sigmoid(MLP(.) C^T)`` with the membership MLP (per head, or one
+    for all heads with ``shared_mlp``) and ``S = softmax(C C^T)`` over all ``k*k``
+    entries. The per-head weights are broadcast over the batch, so that ``(b, h)`` are the
+    products' batch dimensions on both sides and XLA transposes nothing ``[B, H, L, k]``
+    sized."""
+    batch = q.shape[0]
+    heads, k = clusters.shape[:2]
+
+    def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
+        t = t.astype(jnp.float32)
+        if shared_mlp:
+            h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
+            return jnp.einsum("bhld,de->bhle", h, w2) + b2
+        w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
+        h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
+        return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
+
+    per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
+    q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
+    k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
+    logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
+    return q_memb, k_memb, jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
+
+
 CLUSTER_INITS = ("paper", "reference")
 
 
@@ -371,24 +407,9 @@ class SBMAttention(nn.Module):
 
         def body(q, kk, v, w1, b1, w2, b2, clusters, mask, sample_rng, dropout_rng):
             with jax.named_scope(MEMBERSHIPS):
-
-                def node_embed(t: jax.Array) -> jax.Array:  # [B, H, L, hd] -> [B, H, L, hd]
-                    t = t.astype(jnp.float32)
-                    if self.shared_mlp:
-                        h = jax.nn.relu(jnp.einsum("bhld,de->bhle", t, w1) + b1)
-                        return jnp.einsum("bhld,de->bhle", h, w2) + b2
-                    w1b, w2b = (jnp.broadcast_to(w, (batch, *w.shape)) for w in (w1, w2))
-                    h = jax.nn.relu(jnp.einsum("bhld,bhde->bhle", t, w1b) + b1[:, None, :])
-                    return jnp.einsum("bhld,bhde->bhle", h, w2b) + b2[:, None, :]
-
-                # The clusters broadcast over the batch: (b, h) are then the product's
-                # batch dimensions on both sides, and XLA transposes nothing
-                # [B, H, L, k]-sized.
-                per_example = jnp.broadcast_to(clusters, (batch, *clusters.shape))
-                q_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(q), per_example))
-                k_memb = jax.nn.sigmoid(jnp.einsum("bhld,bhkd->bhlk", node_embed(kk), per_example))
-                logits = jnp.einsum("hkd,hjd->hkj", clusters, clusters).reshape(heads, k * k)
-                block = jax.nn.softmax(logits, axis=-1).reshape(heads, k, k)
+                q_memb, k_memb, block = memberships(
+                    q, kk, w1, b1, w2, b2, clusters, shared_mlp=self.shared_mlp
+                )
             out, stats = sbm_attention_core(
                 sample_rng,
                 q,

@@ -273,22 +273,21 @@ def _attrs(cfg: FusedConfig) -> dict[str, np.generic]:
     )
 
 
-def _operands(q, k, v, ys, z, c, counts, q_mask, k_mask, delta, seeds, dseeds):
-    f32 = jnp.float32
-    return (
-        q.astype(f32),
-        k.astype(f32),
-        v.astype(f32),
-        ys.astype(f32),
-        z.astype(f32),
-        c.astype(f32),
-        counts.astype(jnp.int32),
-        q_mask.astype(jnp.uint8),
-        k_mask.astype(jnp.uint8),
-        delta.astype(f32),
-        seeds.astype(jnp.uint32),
-        dseeds.astype(jnp.uint32),
-    )
+#: The kernel's operand dtypes: q, k, v, ys, z, oversample, counts, q_mask, k_mask,
+#: delta, seeds, dropout seeds.
+_OPERAND_DTYPES = (
+    *(jnp.float32,) * 6,
+    jnp.int32,
+    jnp.uint8,
+    jnp.uint8,
+    jnp.float32,
+    jnp.uint32,
+    jnp.uint32,
+)
+
+
+def _operands(*args):
+    return tuple(a.astype(t) for a, t in zip(args, _OPERAND_DTYPES, strict=True))
 
 
 def _forward(cfg: FusedConfig, ops):
@@ -422,17 +421,8 @@ def fused_graph_masks(
     """The ``[..., n, m]`` bool graphs :func:`fused_sbm_attention` draws from the same
     arguments (the same row routine): the tests' view of the kernel's edges. O(n m)."""
     load()
-    f32 = jnp.float32
-    ops = (
-        ys.astype(f32),
-        z.astype(f32),
-        oversample.astype(f32),
-        counts.astype(jnp.int32),
-        q_mask.astype(jnp.uint8),
-        k_mask.astype(jnp.uint8),
-        delta.astype(f32),
-        seeds.astype(jnp.uint32),
-    )
+    args = (ys, z, oversample, counts, q_mask, k_mask, delta, seeds)
+    ops = tuple(a.astype(t) for a, t in zip(args, _OPERAND_DTYPES[3:11], strict=True))
     shape = jax.ShapeDtypeStruct((*ys.shape[:-1], z.shape[-2]), jnp.uint8)
     call = jax.ffi.ffi_call("sbm_fused_graph", shape, vmap_method="broadcast_all")
     mask = call(*ops, law=np.int64(_LAWS[law]), forced_half=np.int64(forced_half))

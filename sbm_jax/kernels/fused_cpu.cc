@@ -1385,54 +1385,48 @@ static ffi::Error FusedGraph(ffi::AnyBuffer ys, ffi::AnyBuffer z, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// The operands the forward and backward calls share (q, k, v, ys, z, c, counts, qmask,
+// kmask, delta, seeds, dseeds), and their attributes.
+template <class B>
+static auto graph_args(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
+template <class B>
+static auto option_attrs(B&& b) {
+  return std::forward<B>(b)
+      .template Attr<int64_t>("law")
+      .template Attr<int64_t>("forced_half")
+      .template Attr<float>("drop_rate")
+      .template Attr<int64_t>("ste")
+      .template Attr<int64_t>("probes")
+      .template Attr<int64_t>("threads");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedForward, FusedForward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // ys
-                                  .Arg<ffi::AnyBuffer>()  // z
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Arg<ffi::AnyBuffer>()  // counts
-                                  .Arg<ffi::AnyBuffer>()  // qmask
-                                  .Arg<ffi::AnyBuffer>()  // kmask
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // dseeds
-                                  .Attr<int64_t>("law")
-                                  .Attr<int64_t>("forced_half")
-                                  .Attr<float>("drop_rate")
-                                  .Attr<int64_t>("ste")
-                                  .Attr<int64_t>("probes")
-                                  .Attr<int64_t>("threads")
+                              option_attrs(graph_args(ffi::Ffi::Bind()))
                                   .Ret<ffi::AnyBuffer>()   // out
                                   .Ret<ffi::AnyBuffer>()   // lse
                                   .Ret<ffi::AnyBuffer>());  // edges
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedBackward, FusedBackward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // ys
-                                  .Arg<ffi::AnyBuffer>()  // z
-                                  .Arg<ffi::AnyBuffer>()  // c
-                                  .Arg<ffi::AnyBuffer>()  // counts
-                                  .Arg<ffi::AnyBuffer>()  // qmask
-                                  .Arg<ffi::AnyBuffer>()  // kmask
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // dseeds
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dnum
-                                  .Attr<int64_t>("law")
-                                  .Attr<int64_t>("forced_half")
-                                  .Attr<float>("drop_rate")
-                                  .Attr<int64_t>("ste")
-                                  .Attr<int64_t>("probes")
-                                  .Attr<int64_t>("threads")
+                              option_attrs(graph_args(ffi::Ffi::Bind())
+                                               .Arg<ffi::AnyBuffer>()    // out
+                                               .Arg<ffi::AnyBuffer>()    // lse
+                                               .Arg<ffi::AnyBuffer>()    // dout
+                                               .Arg<ffi::AnyBuffer>())  // dnum
                                   .Ret<ffi::AnyBuffer>()   // dq
                                   .Ret<ffi::AnyBuffer>()   // dk
                                   .Ret<ffi::AnyBuffer>()   // dv

@@ -14,6 +14,7 @@ away. A second signal acts as it would have without the trainer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -137,6 +138,55 @@ class StopSignals:
                 self._watcher.join(timeout=5)
             os.close(read)
             self._wakeup = None
+
+
+#: What a write to a terminal that has hung up fails with (``EIO`` on Linux; ``ENXIO``
+#: and ``EPIPE`` for other kinds of vanished terminal).
+_HANGUP_ERRNOS = (errno.EIO, errno.ENXIO, errno.EPIPE)
+
+
+class HangupSafe:
+    """A text stream that survives its terminal hanging up: a write or flush that fails
+    because the terminal is gone points standard output and error that are terminals at
+    ``os.devnull`` (as :class:`StopSignals` does on SIGHUP) and drops the text, instead of
+    crashing the run in the moment between the hang-up and the SIGHUP's handler (the
+    trainer must still save and exit cleanly). Any other error is raised."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def _hung_up(self, err: OSError) -> bool:
+        if err.errno not in _HANGUP_ERRNOS:
+            return False
+        self._gone = True
+        detach_terminal([fd for fd in (1, 2) if _isatty(fd)] or [])
+        return True
+
+    def write(self, text: str) -> int:
+        if self._gone:
+            return len(text)
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            if not self._hung_up(err):
+                raise
+            return len(text)
+
+    def flush(self) -> None:
+        if self._gone:
+            return
+        try:
+            self._stream.flush()
+        except OSError as err:
+            if not self._hung_up(err):
+                raise
+
+    def isatty(self) -> bool:
+        return not self._gone and bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def detach_terminal(targets: list[int]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import jax
 import numpy as np
@@ -45,6 +45,7 @@ from sbm_jax.training.evaluation import evaluate_at_best
 from sbm_jax.training.loop import TrainLoop, no_dev_split_note
 from sbm_jax.training.nonfinite import NonFiniteError, replay_nonfinite
 from sbm_jax.training.plots import plot_run
+from sbm_jax.training.preemption import HangupSafe
 from sbm_jax.training.resume import cut_back, restore_or_init
 from sbm_jax.training.run_dir import RunFolder, check_run_folder, open_run_folder
 from sbm_jax.training.sharding import (
@@ -101,7 +102,10 @@ def train_and_evaluate(
     # --- Open the run: the config and the folder, each checked once --------------------
     run_config = config if run_config is None else run_config
     primary = jax.process_index() == 0
-    log = _log(log_stream if log_stream is not None else sys.stdout, primary)
+    # Streams that survive a terminal hanging up (a line written before the SIGHUP's
+    # handler runs would otherwise crash the run before it saves).
+    log = _log(cast(TextIO, HangupSafe(log_stream or sys.stdout)), primary)
+    progress_stream = cast(TextIO, HangupSafe(progress_stream or sys.stderr))
     mesh = mesh_from_config(config)
     folder = output_dir
     if not isinstance(folder, RunFolder):
