@@ -1276,6 +1276,15 @@ static ffi::Error dims_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, 
   return ffi::Error::Success();
 }
 
+static Inputs inputs_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer ys,
+                        ffi::AnyBuffer z, ffi::AnyBuffer c, ffi::AnyBuffer counts, ffi::AnyBuffer qmask,
+                        ffi::AnyBuffer kmask, ffi::AnyBuffer delta, ffi::AnyBuffer seeds, ffi::AnyBuffer dseeds) {
+  return Inputs{q.typed_data<float>(),      k.typed_data<float>(),        v.typed_data<float>(),
+                ys.typed_data<float>(),     z.typed_data<float>(),        c.typed_data<float>(),
+                delta.typed_data<float>(),  counts.typed_data<int32_t>(), qmask.typed_data<uint8_t>(),
+                kmask.typed_data<uint8_t>(), seeds.typed_data<uint32_t>(), dseeds.typed_data<uint32_t>()};
+}
+
 static Opts opts_of(int64_t law, int64_t forced_half, float drop_rate, int64_t ste, int64_t probes,
                     int64_t threads) {
   Opts O;
@@ -1300,10 +1309,7 @@ static ffi::Error FusedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     return err;
   Opts O = opts_of(law, forced_half, drop_rate, ste, probes, threads);
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
-  Inputs in{q.typed_data<float>(), k.typed_data<float>(),     v.typed_data<float>(),
-            ys.typed_data<float>(), z.typed_data<float>(),    c.typed_data<float>(),
-            delta.typed_data<float>(), counts.typed_data<int32_t>(), qmask.typed_data<uint8_t>(),
-            kmask.typed_data<uint8_t>(), seeds.typed_data<uint32_t>(), dseeds.typed_data<uint32_t>()};
+  const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
   // The same scratch as the backward call's, so the two share the pool's blocks.
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
@@ -1329,10 +1335,7 @@ static ffi::Error FusedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
     return ffi::Error::InvalidArgument("sbm fused: out, lse, dout or dnum do not match q's graphs");
   Opts O = opts_of(law, forced_half, drop_rate, ste, probes, threads);
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
-  Inputs in{q.typed_data<float>(), k.typed_data<float>(),     v.typed_data<float>(),
-            ys.typed_data<float>(), z.typed_data<float>(),    c.typed_data<float>(),
-            delta.typed_data<float>(), counts.typed_data<int32_t>(), qmask.typed_data<uint8_t>(),
-            kmask.typed_data<uint8_t>(), seeds.typed_data<uint32_t>(), dseeds.typed_data<uint32_t>()};
+  const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
   backward_all(D, O, in, out.typed_data<float>(), lse.typed_data<float>(), dout.typed_data<float>(),
