@@ -1042,6 +1042,9 @@ static void backward_block(const Dims& D, const Opts& O, const Graph& g, const T
       }
     }
   }
+  // dq and dys may be the buffers of q and ys (the Python side aliases them): a row's q
+  // and ys are read only while its own block runs (tables and block starts are built from
+  // ys before any block), and its dq and dys are written here, at the block's end.
   for (int64_t lr = 0; lr < rows; ++lr) {
     const int64_t i = r0 + lr;
     float* dqo = io.dq + i * d;
