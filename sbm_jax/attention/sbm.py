@@ -257,11 +257,14 @@ class SBMAttention(nn.Module):
         budgets count the batch as the layer sees it under ``jit``, the global one: with
         the batch split over N devices each holds 1/N of it, so N times the budget
         fits the same memory per device.
-      kernel: edge-attention implementation of the sparse path: ``"rows"`` (default,
-        the fastest measured), ``"segment"`` (the reference), ``"triton"`` (a Pallas
-        kernel for NVIDIA GPUs, refused on other backends) or ``"auto"`` (the cheapest
-        measured on the backend, :func:`sbm_jax.kernels.cost.resolve_kernel`); see
-        :func:`sbm_jax.edge_ops.edge_attention`.
+      kernel: implementation of the sparse path: ``"auto"`` (default: the cheapest
+        measured on the backend, :func:`sbm_jax.kernels.cost.resolve_kernel`; ``"fused"``
+        on CPU where it builds, ``"rows"`` elsewhere), ``"fused"`` (the native CPU
+        kernel, :mod:`sbm_jax.kernels.fused`: fastRG and attention in one call per pass,
+        no capacity buckets; refused on other backends), ``"rows"`` (fastRG in XLA into
+        capacity buckets, then the row-wise edge kernel), ``"segment"`` (the reference)
+        or ``"triton"`` (a Pallas kernel for NVIDIA GPUs, refused on other backends);
+        see :func:`sbm_jax.edge_ops.edge_attention`.
       cluster_init: ``"paper"`` or ``"reference"`` (see :func:`cluster_initializer`).
       ste: the estimator of the sampled mask, on every path: ``"paper"`` (eq. 9, the
         mask scales the logit: ``dL/dp_e = dL/da_e * s_e``) or ``"reference"`` (the
