@@ -47,14 +47,40 @@ def threefry2x32(
 
 
 def _threefry_key_words(key: jax.Array) -> jax.Array | None:
-    """The key's two ``uint32`` words, or None when it is not a threefry key."""
+    """The key's two ``uint32`` words (``[..., 2]`` for an array of keys), or None when
+    it is not a threefry key."""
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if "threefry" not in str(jax.random.key_impl(key)):
             return None
         return jax.random.key_data(key)
-    if key.dtype == jnp.uint32 and key.shape == (2,):  # a raw jax.random.PRNGKey
+    if key.dtype == jnp.uint32 and key.shape[-1:] == (2,):  # raw jax.random.PRNGKeys
         return key
     return None
+
+
+def windowed_words(keys: jax.Array) -> jax.Array | None:
+    """``[..., 2]`` words of ``keys`` for :func:`uniform_window`, or None where a window
+    of a draw cannot be computed on its own (not a threefry key, or not JAX's
+    partitionable scheme, in which a word depends only on its flat index)."""
+    if not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
+        return None
+    return _threefry_key_words(keys)
+
+
+def _to_unit(bits: jax.Array) -> jax.Array:
+    mantissa = (bits >> np.uint32(9)) | np.uint32(0x3F800000)  # in [1, 2)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
+
+
+def uniform_window(words: jax.Array, counters: jax.Array) -> jax.Array:
+    """Entries of :func:`uniform` draws without the rest of them: with ``words [..., 2]``
+    of keys (:func:`windowed_words`) and ``counters`` of any shape broadcasting against
+    ``words[..., 0]``, the result is ``uniform(key, shape).ravel()[counter]`` for each
+    key and counter (JAX's partitionable threefry: a word is the hash of its flat index).
+    """
+    c = counters.astype(jnp.uint32)
+    b0, b1 = threefry2x32(words[..., 0], words[..., 1], jnp.zeros_like(c), c)
+    return _to_unit(b0 ^ b1)
 
 
 def uniform(key: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -70,9 +96,7 @@ def uniform(key: jax.Array, shape: Sequence[int]) -> jax.Array:
         return jax.random.uniform(key, shape)
     counts = jax.lax.iota(jnp.uint32, size)
     b0, b1 = threefry2x32(words[0], words[1], jnp.zeros_like(counts), counts)
-    bits = (b0 ^ b1).reshape(shape)
-    mantissa = (bits >> np.uint32(9)) | np.uint32(0x3F800000)  # in [1, 2)
-    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
+    return _to_unit((b0 ^ b1).reshape(shape))
 
 
 def bernoulli(key: jax.Array, p: float, shape: Sequence[int]) -> jax.Array:

@@ -312,3 +312,83 @@ def test_no_n_by_m_array_in_the_layer_dense_path_forward_or_backward():
     # never an n x m array.
     assert _max_intermediate(jaxpr.jaxpr) <= max(bq * n, b * h * n * max(kc, d) * 2)
     assert _max_intermediate(jaxpr.jaxpr) < n * n
+
+
+def _pairs_dm(q, k, v, g, mask, c, keep, rate, q_mask, k_mask):
+    """float64, vectorised: the ``"pairs"`` estimator's dL/dM on every real pair (the
+    same formula as :func:`_numpy_reference`'s loop: an absent pair added by hand)."""
+    d = q.shape[1]
+    s = q @ k.T / np.sqrt(d)
+    mx = np.max(np.where(mask, s, -np.inf), axis=1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    e_all = np.exp(s - mx)
+    e = np.where(mask, e_all, 0.0)
+    den = e.sum(1, keepdims=True)
+    a = e / np.where(den > 0, den, 1.0)
+    z = np.ones_like(a) if keep is None else np.where(keep, 1.0 / (1.0 - rate), 0.0)
+    out = (a * z) @ v
+    g_a = (g @ v.T) * z
+    da = a * (g_a - np.sum(a * g_a, axis=1, keepdims=True))
+    num = (e * z) @ v  # [n, dv]: the row's unnormalised output
+    gv = g @ v.T  # [n, m]
+    added = (np.sum(g * num, 1, keepdims=True) + e_all * z * gv) / (den + e_all)
+    dm_absent = added - np.sum(g * out, 1, keepdims=True) + c
+    real = q_mask[:, None] & k_mask[None, :]
+    return np.where(mask, da + c, np.where(real, dm_absent, 0.0))
+
+
+@pytest.mark.parametrize("ste, half, rate", [("paper", 2, 0.0), ("pairs", None, 0.2)])
+def test_backward_tiles_across_key_chunks_and_row_blocks_match_numpy(ste, half, rate):
+    # n and m past one backward tile in both directions, neither a multiple of it (the
+    # last key chunk and the last row tile are partial), several forward blocks per
+    # tile: the backward pass's windows of the forward's uniforms must give its mask.
+    from sbm_jax.kernels.dense import KEY_CHUNK
+
+    n, m, kc, d = 1100, 1030, 3, 4
+    assert m > 2 * KEY_CHUNK and m % KEY_CHUNK
+    rng = np.random.default_rng(5)
+    q_mask, k_mask = np.arange(n) < 1070, np.arange(m) < 1000
+    q, k, v, g = (rng.normal(size=s) for s in ((n, d), (m, d), (m, d), (n, d)))
+    ys = rng.random((n, kc)) * 0.1 * q_mask[:, None]
+    ys[:40] = 0.0  # rows with few or no edges (delta 0)
+    zk = rng.random((m, kc)) * k_mask[:, None]
+    c = 0.3
+    key, drop_key = jax.random.PRNGKey(11), jax.random.PRNGKey(12)
+    masks = (jnp.asarray(q_mask), jnp.asarray(k_mask))
+
+    def loss(q, k, v, ys, zk):
+        out, count = streamed_sbm_attention(
+            key, q, k, v, ys, zk, *masks, 0.0, ste=ste, forced_half=half,
+            dropout_rate=rate, dropout_rng=drop_key if rate else None,
+        )  # fmt: skip
+        return jnp.sum(out * jnp.asarray(g, jnp.float32)) + c * count
+
+    args = _f32(q, k, v, ys, zk)
+    val, grads = jax.jit(jax.value_and_grad(loss, argnums=range(5)))(*args)
+    mask = np.asarray(_streamed_mask(key, *_f32(ys, zk), *masks, 0.0, forced_half=half))
+    assert 0.02 < mask.mean() < 0.5
+    assert half is not None or (~mask[:40].any(1)).any(), "some rows without an edge"
+    keep = None
+    if rate:
+        bq = default_block_rows(n, m)
+        keep_b = jax.jit(
+            lambda b: jax.random.bernoulli(jax.random.fold_in(drop_key, b), 1 - rate, (bq, m))
+        )
+        keep = np.concatenate([np.asarray(keep_b(b)) for b in range(-(-n // bq))])[:n]
+    if ste == "paper":
+        _, ref_loss, ref_grads = _numpy_reference(q, k, v, g, ys, zk, mask, c, ste, keep, rate)
+    else:
+        _, ref_loss, base = _numpy_reference(q, k, v, g, ys, zk, mask, c, "paper", keep, rate)
+        dp = _pairs_dm(q, k, v, g, mask, c, keep, rate, q_mask, k_mask)
+        ref_grads = (*base[:3], dp @ zk, dp.T @ ys)
+    np.testing.assert_allclose(val, ref_loss, rtol=1e-5)
+    for name, a, b in zip(("q", "k", "v", "ys", "zk"), grads, ref_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("ste", ["paper", "pairs"])
+def test_without_partitionable_threefry_the_backward_takes_the_forwards_own_tiles(ste):
+    # No window of a draw can be computed on its own under the non-partitionable scheme:
+    # the backward pass then walks the forward's tiles (bq rows of all keys), same numbers.
+    with jax.threefry_partitionable(False):
+        test_outputs_and_gradients_match_numpy_on_the_same_mask(ste, 4, None, 0.3)

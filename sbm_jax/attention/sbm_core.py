@@ -52,7 +52,7 @@ from sbm_jax.fastrg import (
     sample_edge_keys,
 )
 from sbm_jax.kernels.cost import edge_cost as calibrated_edge_cost
-from sbm_jax.kernels.dense import streamed_sbm_attention
+from sbm_jax.kernels.dense import streamed_sbm_attention, streamed_sbm_attention_graphs
 from sbm_jax.kernels.pairs import expected_pair_sum, with_absent_pairs
 from sbm_jax.kernels.streamed import StreamConfig, streamed_graphs
 from sbm_jax.ste import clip_cotangent, edge_logit_terms, edge_probs_straight_through
@@ -552,11 +552,18 @@ def _fused_core(
     def dense_branch(ops):
         q, k, v, ys, zk, _, _ = ops  # the dense path masks padded rows and keys itself
 
-        def head(key, drop_key, q, k, v, ys, zk, qm, dl):
-            return _dense_graph(key, drop_key, q, k, v, ys, zk, qm, qm, dl, options=o)
+        def graphs(a):  # [B, H, ...] -> [B*H, ...] (raw or typed keys alike)
+            return a.reshape(batch * heads, *a.shape[2:])
 
-        run = map_over_heads(head, sparse_heads_per_step())
-        out, num = run(sample_keys, drop_keys, q, k, v, ys, zk, masks, deltas)
+        # The graphs one after another under one custom VJP (this path runs on CPU):
+        # its backward pass holds no per-graph copy of Y S, Z or their gradients.
+        out, num = streamed_sbm_attention_graphs(
+            graphs(sample_keys), *map(graphs, (q, k, v, ys, zk, masks, masks)),
+            graphs(deltas), law=o.law, ste=o.ste, forced_half=half, dropout_rate=rate,
+            dropout_rngs=graphs(drop_keys) if rate > 0.0 else None,
+        )  # fmt: skip
+        num = num.reshape(batch, heads)
+        out = out.reshape(batch, heads, *out.shape[1:])
         return out, num / real_pairs, jax.lax.stop_gradient(num).astype(jnp.int32)
 
     run_fused, run_dense = plan_fused(o, batch=batch, heads=heads, length=length)

@@ -17,13 +17,20 @@ within its tile and needs no merge across tiles):
   folded with the block index, scores ``q k^T / sqrt(d)`` in float32, masked softmax,
   dropout (its keep mask also from a key folded with the block index), ``w v``. Kept:
   the output and each row's log-normaliser.
-* backward (``jax.custom_vjp``, ``lax.scan`` over blocks): the block's ``p``, mask and
-  scores are recomputed (the same key and block index give the identical mask, so
-  nothing is stored), ``w = exp(s - lse)``, ``D_i = dOut_i . out_i`` for the softmax
-  Jacobian (valid with dropout), and the estimator of the mask (``ste``) sends
-  ``dL/dM_e`` to ``p_e`` on the edges: ``G = where(M, dL/dM, 0)``, then
-  ``d(Y S) = G Z`` and ``dZ = G^T (Y S)`` block by block. ``dK``, ``dV`` and ``dZ`` are
-  ``[m, .]`` accumulators carried by the scan.
+* backward (``jax.custom_vjp``, loops over tiles of ``rows x KEY_CHUNK`` pairs, the key
+  chunks outside, see :func:`_backward_tiles`): a tile's ``p``, mask and scores are
+  recomputed (its uniforms are the forward's own, computed for the tile alone from
+  their flat indices, JAX's partitionable threefry, so nothing is stored),
+  ``w = exp(s - lse)``, ``D_i = dOut_i . out_i`` for the softmax Jacobian (valid with
+  dropout), and the estimator of the mask (``ste``) sends ``dL/dM_e`` to ``p_e`` on the
+  edges: ``G = where(M, dL/dM, 0)``, then ``d(Y S) = G Z`` and ``dZ = G^T (Y S)`` tile
+  by tile. Row-side gradients are added into the outputs in place; ``dK``, ``dV`` and
+  ``dZ`` are one key chunk's accumulators, so the backward pass holds nothing of one
+  graph's size beside its inputs and gradients (``[m, k]`` accumulators, a layer's
+  largest, would be 16 MiB per graph at ``m=16384``, ``k=128``).
+
+Many graphs (:func:`streamed_sbm_attention_graphs`) run one after another under one
+custom VJP, their inputs and gradients read and written in place.
 
 Estimators (``ste``), with ``a`` the normalised weights of row ``i``, ``g = dL/da``,
 ``da_e = a_e (g_e - sum_j a_ij g_ij)`` the logit cotangent and ``c`` the cotangent of
@@ -43,10 +50,11 @@ the edge count (the density term):
   the absent pairs carry whether more keys would help (docs/synthetic.md, "The pairs
   estimator").
 
-Temporaries are ``O(bq m)`` per block plus ``O((n + m)(d + k))`` for the inputs and
-accumulators. FLOPs per pair: ``2k`` (p) + ``4d`` (scores, ``w v``) forward, ``6k + 10d``
-backward (p again, the two products of ``G``; scores again, ``dOut V^T``, dQ, dK, dV),
-plus two uniforms per pair (mask, forward and backward).
+Temporaries are ``O(bq m)`` per forward block and ``O(rows x KEY_CHUNK)`` per backward
+tile, plus the forward's per-graph operands. FLOPs per pair: ``2k`` (p) + ``4d``
+(scores, ``w v``) forward, ``6k + 10d`` backward (p again, the two products of ``G``;
+scores again, ``dOut V^T``, dQ, dK, dV), plus two uniforms per pair (mask, forward and
+backward).
 Plain ``jax.numpy`` / ``lax``: runs on CPU, GPU and TPU alike.
 """
 
@@ -58,9 +66,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from sbm_jax._random import bernoulli, uniform
+from sbm_jax._random import bernoulli, uniform, uniform_window, windowed_words
 from sbm_jax._scopes import DENSE_PATH, scoped
 from sbm_jax._varying import vary_like
 from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
@@ -160,18 +169,17 @@ def _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask, offset):
     return mask, s
 
 
-def _pair_gain(mask, s, lse_b, dw, d_b, da):
+def _pair_gain(mask, has, s, lse_b, dw, d_b, da):
     """``[bq, m]``: the ``"pairs"`` estimator's ``dL/dM`` on every pair of a block.
 
     On an edge, the logit cotangent ``da`` (the derivative of ``L`` in a weight ``M`` on
     ``exp(s)``). On an absent pair, the first-order change of ``L`` when the pair is
     added: the row's output moves to ``out + sigma (v_j - out)`` with ``sigma =
     e^s / (Z + e^s) = sigmoid(s - lse)`` (1 in a row without edges, whose output is 0),
-    so ``dL ~ sigma (dOut . v_j - dOut . out) = sigma (dw - D)``.
+    so ``dL ~ sigma (dOut . v_j - dOut . out) = sigma (dw - D)``. ``has [bq]``: whether
+    the row has an edge among all its keys (the forward pass's).
     """
-    sigma = jnp.where(
-        jnp.any(mask, axis=-1, keepdims=True), jax.nn.sigmoid(s - lse_b[:, None]), 1.0
-    )
+    sigma = jnp.where(has[:, None], jax.nn.sigmoid(s - lse_b[:, None]), 1.0)
     return jnp.where(mask, da, sigma * (dw - d_b[:, None]))
 
 
@@ -198,62 +206,149 @@ def _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset)
         if cfg.dropout_rate > 0.0:
             w = w * _dropout_scale(cfg, drop_key, b, w.shape)
         out_b = jnp.dot(w, v32)
-        lse_b = jnp.where(has, mx + jnp.log(jnp.where(has, denom, 1.0)), 0.0)
+        # +inf in a row without an edge: the backward pass reads "no edge" from it.
+        lse_b = jnp.where(has, mx + jnp.log(jnp.where(has, denom, 1.0)), jnp.inf)
         return out_b, lse_b, jnp.sum(mask, dtype=jnp.int32)
 
     out, lse, counts = jax.lax.map(block, xs)
     out = out.reshape(n_pad, -1)[:n]
-    lse = lse.reshape(n_pad)[:n]
-    return out, lse, jnp.sum(counts)
+    return out, lse.reshape(n_pad)[:n], jnp.sum(counts)
 
 
+# The graphs of a call one after another (``lax.map`` forward, ``lax.fori_loop``
+# backward) under one custom VJP. The residuals are the inputs themselves, the outputs
+# and each row's log-normaliser; the backward pass walks each graph in tiles of
+# ``rows x key_chunk`` pairs (:func:`_backward_tiles`), reading its rows and keys
+# straight out of the ``[G, ...]`` inputs and adding into the ``[G, ...]`` gradients, so
+# nothing of one graph's size is held beside them but a key chunk's accumulators.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _streamed(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
-    out, _, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset)
-    return out.astype(v.dtype), count.astype(jnp.float32)
+def _streamed_graphs(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
+    (out, count), _ = _streamed_graphs_fwd(
+        cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset
+    )
+    return out, count
 
 
-def _streamed_fwd(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset):
-    out, lse, count = _forward(cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset)
+def _graphs_forward(cfg: DenseConfig, args: tuple) -> tuple[jax.Array, ...]:
+    """The forward pass: ``(out, lse, count)`` of ``G`` graphs (``[G, n,
+    dv]`` float32, ``[G, n]`` with +inf in rows without an edge, ``[G]`` int32) for the
+    operands ``(q, k, v, ys, zk, delta, keys, dropout_keys, q_mask, k_mask, row_offsets)``
+    with a leading axis ``G`` (:func:`_graphs_operands`)."""
+    return jax.lax.map(lambda a: _forward(cfg, *a), args)
+
+
+def _streamed_graphs_fwd(cfg, *args):
+    out, lse, count = _graphs_forward(cfg, args)
     # Tagged as the edge kernels tag theirs: under a jax.checkpoint that keeps these names
     # (the layer's branch policy) the backward pass does not run the forward again.
     out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
     out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
-    res = (q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset, out, lse)
-    return (out.astype(v.dtype), count.astype(jnp.float32)), res
+    v = args[2]
+    return (out.astype(v.dtype), count.astype(jnp.float32)), (*args, out, lse)
+
+
+#: Keys per column chunk of a backward tile.
+KEY_CHUNK = 512
+
+
+def _backward_tiles(n: int, m: int, bq: int, windowed: bool) -> tuple[int, int]:
+    """``(rows, keys)`` of a backward tile: a multiple of the forward's ``bq`` rows and
+    up to :data:`KEY_CHUNK` keys, about :data:`DEFAULT_TILE_ELEMENTS` pairs. Where a
+    window of the forward's uniforms cannot be drawn on its own (not JAX's partitionable
+    threefry), the forward's own tiles: ``bq`` rows of all keys."""
+    if not windowed:
+        return bq, m
+    chunk = min(KEY_CHUNK, m)
+    rows = bq * max(1, DEFAULT_TILE_ELEMENTS // chunk // bq)
+    return min(rows, -(-n // bq) * bq), chunk
+
+
+def _window(a: jax.Array, g, start, size: int) -> jax.Array:
+    """``a[g, start:start + size]`` (``a [G, L, ...]``) in one dynamic slice."""
+    starts = (g, start) + (0,) * (a.ndim - 2)
+    return jax.lax.dynamic_slice(a, starts, (1, size, *a.shape[2:]))[0]
+
+
+def _pad_axis1(a: jax.Array, size: int) -> jax.Array:
+    if a.shape[1] == size:
+        return a
+    return jnp.pad(a, ((0, 0), (0, size - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
+
+
+def _tile_uniforms(key, words, bq, m, r0, rows, c0, chunk):
+    """``[rows, chunk]``: the forward's uniforms of pairs ``(r0 + a, c0 + b)``. Row ``i``
+    belongs to forward block ``i // bq``, whose draw is ``uniform(fold_in(key, i // bq),
+    (bq, m))``; pair ``(i, j)`` is its entry ``(i % bq) * m + j``."""
+    if words is None:  # rows == bq, chunk == all keys: the forward's tile itself
+        u = uniform(jax.random.fold_in(key, r0 // bq), (bq, m))
+        return jnp.pad(u, ((0, 0), (0, chunk - m)))
+    blocks = r0 // bq + jnp.arange(rows // bq)
+    block_words = windowed_words(jax.vmap(lambda b: jax.random.fold_in(key, b))(blocks))
+    row_words = jnp.repeat(block_words, bq, axis=0)  # [rows, 2]
+    i = jnp.arange(rows, dtype=jnp.uint32) % np.uint32(bq)
+    j = (c0 + jnp.arange(chunk)).astype(jnp.uint32)
+    return uniform_window(row_words[:, None, :], i[:, None] * np.uint32(m) + j[None, :])
+
+
+def _streamed_graphs_bwd(cfg, res, cts):
+    args, out, lse = res[:-2], res[-2], res[-1]
+    grads = _graphs_backward(cfg, args, out, lse, *cts)
+    q, k, v, ys, zk, delta = args[:6]
+    cts_in = [g.astype(a.dtype) for g, a in zip(grads, (q, k, v, ys, zk), strict=True)]
+    return (*cts_in, jnp.zeros_like(delta), None, None, None, None, None)
 
 
 @scoped(DENSE_PATH)
-def _streamed_bwd(cfg, res, cts):
-    q, k, v, ys, zk, delta, key, drop_key, q_mask, k_mask, offset, out, lse = res
-    dout, dcount = cts
+def _graphs_backward(
+    cfg: DenseConfig, args: tuple, out: jax.Array, lse: jax.Array, dout: jax.Array, dcount
+) -> tuple[jax.Array, ...]:
+    """The backward pass: float32 cotangents of ``(q, k, v, ys, zk)`` from
+    :func:`_graphs_forward`'s ``out`` and ``lse``, the output's cotangent and the
+    edge counts' (``[G]``)."""
+    q, k, v, ys, zk, delta, keys, drop_keys, q_mask, k_mask, offset = args
+    res, cts = (*args, out, lse), (dout, dcount)
     f32 = jnp.float32
-    n, d = q.shape
+    n_graphs, n, d = q.shape
+    m, kc = k.shape[1], ys.shape[-1]
     bq = cfg.block_rows
-    n_pad = -(-n // bq) * bq
+    dropout = cfg.dropout_rate > 0.0
+    windowed = windowed_words(keys) is not None and (
+        not dropout or windowed_words(drop_keys) is not None
+    )
+    rows, chunk = _backward_tiles(n, m, bq, windowed)
+    n_pad, m_pad = -(-n // rows) * rows, -(-m // chunk) * chunk
     inv = 1.0 / math.sqrt(d)
     dout = dout.astype(f32)
-    big_d = jnp.sum(dout * out, axis=-1)  # [n]: D_i = dOut_i . out_i
-    k32, v32, zk32 = k.astype(f32), v.astype(f32), zk.astype(f32)
+    big_d = jnp.sum(dout * out, axis=-1)  # [G, n]: D_i = dOut_i . out_i
     dcount = jnp.asarray(dcount, f32)
-    xs = (
-        jnp.arange(n_pad // bq, dtype=jnp.int32),
-        _blocks(q, bq, n_pad),
-        _blocks(ys, bq, n_pad),
-        _blocks(q_mask, bq, n_pad),
-        _blocks(lse, bq, n_pad),
-        _blocks(dout, bq, n_pad),
-        _blocks(big_d, bq, n_pad),
-    )
+    q_, ys_, qm_, lse_, do_, bd_ = (_pad_axis1(a, n_pad) for a in (q, ys, q_mask, lse, dout, big_d))
+    k_, v_, zk_, km_ = (_pad_axis1(a, m_pad) for a in (k, v, zk, k_mask))
+    far = 2**29
 
-    def block(carry, x):
-        dk, dv, dzk = carry
-        b, q_b, ys_b, qm_b, lse_b, do_b, d_b = x
-        mask, s = _tile(cfg, key, b, q_b, ys_b, qm_b, k, zk, delta, k_mask, offset)
+    def tile(g, r0, c0, key, drop_key):
+        """Cotangents of one tile: row side ``(dq, dys)``, key side ``(dk, dv, dzk)``."""
+        q_b, ys_b = _window(q_, g, r0, rows).astype(f32), _window(ys_, g, r0, rows).astype(f32)
+        qm_b, lse_b = _window(qm_, g, r0, rows), _window(lse_, g, r0, rows)
+        do_b, d_b = _window(do_, g, r0, rows), _window(bd_, g, r0, rows)
+        k_c, v_c = _window(k_, g, c0, chunk).astype(f32), _window(v_, g, c0, chunk).astype(f32)
+        zk_c, km_c = _window(zk_, g, c0, chunk).astype(f32), _window(km_, g, c0, chunk)
+        words = windowed_words(key) if windowed else None
+        # The mask exactly as block_mask draws it in the forward pass.
+        rate = jnp.dot(ys_b, zk_c.T) + delta[g]
+        prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
+        u = _tile_uniforms(key, words, bq, m, r0, rows, c0, chunk)
+        mask = (u < prob) & qm_b[:, None] & km_c[None, :]
+        if cfg.forced_half >= 0:
+            pos_r = jnp.where(qm_b, offset[g] + r0 + jnp.arange(rows), -far)
+            pos_c = jnp.where(km_c, c0 + jnp.arange(chunk), far)
+            mask = mask | (jnp.abs(pos_r[:, None] - pos_c[None, :]) <= cfg.forced_half)
+        s = jnp.dot(q_b, k_c.T) * inv
         w = jnp.where(mask, jnp.exp(s - lse_b[:, None]), 0.0)
-        dw = jnp.dot(do_b, v32.T)  # [bq, m]
-        if cfg.dropout_rate > 0.0:
-            z = _dropout_scale(cfg, drop_key, b, w.shape)
+        dw = jnp.dot(do_b, v_c.T)  # [rows, chunk]
+        if dropout:
+            dwords = windowed_words(drop_key) if windowed else None
+            keep = _tile_uniforms(drop_key, dwords, bq, m, r0, rows, c0, chunk)
+            z = jnp.where(keep < 1.0 - cfg.dropout_rate, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
             dw, wz = dw * z, w * z
         else:
             wz = w
@@ -261,50 +356,68 @@ def _streamed_bwd(cfg, res, cts):
         if cfg.ste == "pairs":
             # Every real pair: its gain or loss to first order, plus the count's term
             # (d E[count] / dp = 1 on every pair, not only on the sampled ones).
-            real = qm_b[:, None] & k_mask[None, :]
-            g = jnp.where(real, _pair_gain(mask, s, lse_b, dw, d_b, da) + dcount, 0.0)
+            real = qm_b[:, None] & km_c[None, :]
+            gain = _pair_gain(mask, jnp.isfinite(lse_b), s, lse_b, dw, d_b, da)
+            gm = jnp.where(real, gain + dcount[g], 0.0)
         else:
             # dL/dM on the edges: the logit's derivative in M, plus the edge count's term.
-            g_m = (da * s if cfg.ste == "paper" else da) + dcount
+            g_m = (da * s if cfg.ste == "paper" else da) + dcount[g]
             if cfg.ste == "reference":
                 g_m = jnp.clip(g_m, -1.0, 1.0)
-            g = jnp.where(mask, g_m, 0.0)  # [bq, m] cotangent of p on the edges
+            gm = jnp.where(mask, g_m, 0.0)  # [rows, chunk] cotangent of p on the edges
         ds = da * inv
-        dq_b = jnp.dot(ds, k32)
-        dys_b = jnp.dot(g, zk32)
-        q32 = q_b.astype(f32)
-        dk = dk + _contract_rows(q32, ds)
-        dv = dv + _contract_rows(do_b, wz)
-        dzk = dzk + _contract_rows(ys_b.astype(f32), g)
-        return (dk, dv, dzk), (dq_b, dys_b)
+        row_side = (jnp.dot(ds, k_c), jnp.dot(gm, zk_c))
+        # Transposed ([., chunk]), as _contract_rows says why; transposed back per chunk.
+        key_side = (_contract_rows(q_b, ds), _contract_rows(do_b, wz), _contract_rows(ys_b, gm))
+        return row_side, key_side
 
-    # The key-side accumulators are carried transposed ([d, m]), see _contract_rows.
-    init = (
-        jnp.zeros(k.shape[::-1], f32),
-        jnp.zeros(v.shape[::-1], f32),
-        jnp.zeros(zk.shape[::-1], f32),
-    )
-    init = vary_like(init, res, cts)
-    (dk, dv, dzk), (dq, dys) = jax.lax.scan(block, init, xs)
-    dk, dv, dzk = dk.T, dv.T, dzk.T
-    dq = dq.reshape(n_pad, d)[:n]
-    dys = dys.reshape(n_pad, -1)[:n]
-    return (
-        dq.astype(q.dtype),
-        dk.astype(k.dtype),
-        dv.astype(v.dtype),
-        dys.astype(ys.dtype),
-        dzk.astype(zk.dtype),
-        jnp.zeros_like(delta),
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    def add_rows(acc, g, r0, part):
+        return jax.lax.dynamic_update_slice(
+            acc, (_window(acc, g, r0, rows) + part)[None], (g, r0, 0)
+        )
+
+    def graph(g, grads):
+        key, drop_key = keys[g], drop_keys[g]
+
+        def key_chunk(c, grads):
+            c0 = c * chunk
+
+            def row_block(b, carry):
+                (dq, dys), acc = carry
+                r0 = b * rows
+                (dq_t, dys_t), acc_t = tile(g, r0, c0, key, drop_key)
+                rows_out = (add_rows(dq, g, r0, dq_t), add_rows(dys, g, r0, dys_t))
+                return rows_out, tuple(a + t for a, t in zip(acc, acc_t, strict=True))
+
+            dq, dys, dk, dv, dzk = grads
+            acc0 = vary_like(
+                (jnp.zeros((d, chunk), f32), jnp.zeros((v.shape[-1], chunk), f32),
+                 jnp.zeros((kc, chunk), f32)),
+                res, cts,
+            )  # fmt: skip
+            (dq, dys), (ak, av, az) = jax.lax.fori_loop(
+                0, n_pad // rows, row_block, ((dq, dys), acc0)
+            )
+            dk, dv, dzk = (
+                jax.lax.dynamic_update_slice(a, t.T[None], (g, c0, 0))
+                for a, t in ((dk, ak), (dv, av), (dzk, az))
+            )
+            return dq, dys, dk, dv, dzk
+
+        return jax.lax.fori_loop(0, m_pad // chunk, key_chunk, grads)
+
+    zeros = vary_like(
+        tuple(
+            jnp.zeros((n_graphs, size, a.shape[-1]), f32)
+            for a, size in ((q, n_pad), (ys, n_pad), (k, m_pad), (v, m_pad), (zk, m_pad))
+        ),
+        res, cts,
+    )  # fmt: skip
+    dq, dys, dk, dv, dzk = jax.lax.fori_loop(0, n_graphs, graph, zeros)
+    return dq[:, :n], dk[:, :m], dv[:, :m], dys[:, :n], dzk[:, :m]
 
 
-_streamed.defvjp(_streamed_fwd, _streamed_bwd)
+_streamed_graphs.defvjp(_streamed_graphs_fwd, _streamed_graphs_bwd)
 
 
 @scoped(DENSE_PATH)
@@ -353,26 +466,92 @@ def streamed_sbm_attention(
       edge's ``dL/dM`` (so ``count / real_pairs`` is the differentiable density).
       Gradients reach ``q``, ``k``, ``v``, ``ys`` and ``zk``.
     """
+    drop_key = key if dropout_rng is None else dropout_rng
+    one = partial(jnp.expand_dims, axis=0)
+    out, count = streamed_sbm_attention_graphs(
+        one(key), one(q), one(k), one(v), one(ys), one(zk), one(q_mask), one(k_mask),
+        one(jnp.asarray(delta, jnp.float32)), law=law, ste=ste, forced_half=forced_half,
+        dropout_rate=dropout_rate, dropout_rngs=None if dropout_rng is None else one(drop_key),
+        block_rows=block_rows, row_offsets=one(jnp.asarray(row_offset, jnp.int32)),
+    )  # fmt: skip
+    return out[0], count[0]
+
+
+@scoped(DENSE_PATH)
+def streamed_sbm_attention_graphs(
+    keys: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: jax.Array,
+    *,
+    law: str = "bernoulli",
+    ste: str = "paper",
+    forced_half: int | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rngs: jax.Array | None = None,
+    block_rows: int | None = None,
+    row_offsets: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`streamed_sbm_attention` of ``G`` graphs, one after another: every argument
+    has a leading axis ``G`` (``keys``, ``delta``, ``dropout_rngs`` and ``row_offsets``
+    are ``[G]``), and so do ``out [G, n, dv]`` and the edge counts ``[G]``. Graph ``g``
+    gets what :func:`streamed_sbm_attention` gives it alone (the same mask, outputs and
+    gradients); its backward pass holds no per-graph copy of an input or a gradient."""
+    cfg, args = _graphs_operands(
+        keys, q, k, v, ys, zk, q_mask, k_mask, delta, law=law, ste=ste,
+        forced_half=forced_half, dropout_rate=dropout_rate, dropout_rngs=dropout_rngs,
+        block_rows=block_rows, row_offsets=row_offsets,
+    )  # fmt: skip
+    return _streamed_graphs(cfg, *args)
+
+
+def _graphs_operands(
+    keys: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: jax.Array,
+    *,
+    law: str = "bernoulli",
+    ste: str = "paper",
+    forced_half: int | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rngs: jax.Array | None = None,
+    block_rows: int | None = None,
+    row_offsets: jax.Array | None = None,
+) -> tuple[DenseConfig, tuple]:
+    """``(config, operands)`` of :func:`streamed_sbm_attention_graphs`'s arguments, as
+    :func:`_graphs_forward` and :func:`_graphs_backward` take them."""
     check_ste(ste)
-    n, m = q.shape[0], k.shape[0]
+    n, m = q.shape[1], k.shape[1]
     bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
     if bq < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    rate = float(dropout_rate) if dropout_rng is not None else 0.0
     cfg = DenseConfig(
         block_rows=bq,
         law=law,
         ste=ste,
         forced_half=-1 if forced_half is None else int(forced_half),
-        dropout_rate=rate,
+        dropout_rate=float(dropout_rate) if dropout_rngs is not None else 0.0,
     )
-    drop_key = key if dropout_rng is None else dropout_rng
-    delta = jnp.asarray(delta, jnp.float32)
-    offset = jnp.asarray(row_offset, jnp.int32)
-    return _streamed(
-        cfg, q, k, v, ys, zk, delta, key, drop_key, q_mask.astype(bool), k_mask.astype(bool),
-        offset,
+    drop_keys = keys if dropout_rngs is None else dropout_rngs
+    graphs = q.shape[:1]
+    delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), graphs)
+    offsets = jnp.zeros(graphs, jnp.int32) if row_offsets is None else row_offsets
+    args = (
+        q, k, v, ys, zk, delta, keys, drop_keys, q_mask.astype(bool), k_mask.astype(bool),
+        offsets.astype(jnp.int32),
     )  # fmt: skip
+    return cfg, args
 
 
 def streamed_mask(
