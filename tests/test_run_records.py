@@ -607,11 +607,13 @@ def test_capacity_buckets_from_the_command_line_and_overflow_is_counted(tmp_path
     n=16) and no dense fallback. Every graph draws ~0.3 * 256 edges, far above 3, so
     every (example, head) graph of every step overflows: 16 per step (batch 16, one
     head, one layer). The trainer counts them, warns once naming the layer and the
-    step, and summary.json carries the total."""
+    step, and summary.json carries the total. (The bucketed kernel: the fused one, the
+    CPU default, has no capacity.)"""
     out = tmp_path / "run"
     status, stdout, err = run_train(
         f"--config={SYNTHETIC}:sbm,smoke",
         "--config.model.attention_options.impl=sparse",
+        "--config.model.attention_options.kernel=rows",
         "--config.model.attention_options.capacity_buckets=(0.01,)",
         "--config.model.attention_options.max_dense_elements=0",
         "--config.train.num_steps=3",

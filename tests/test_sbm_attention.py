@@ -598,7 +598,9 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
     core = sbm_mod.sbm_attention_core
 
     def spy(rng, *args, **kwargs):  # the layer's sample key, to rebuild its graphs
-        seen["rng"] = rng
+        # Read at run time: the layer's body is traced under jax.checkpoint, so the key
+        # is a tracer here.
+        jax.debug.callback(lambda r: seen.__setitem__("rng", np.asarray(r)), rng)
         return core(rng, *args, **kwargs)
 
     monkeypatch.setattr(sbm_mod, "sbm_attention_core", spy)
@@ -624,7 +626,7 @@ def test_layer_reference_estimator_matches_the_released_code_per_parameter(monke
     assert int(st["path"][0]) == (1 if impl == "dense" else 0)
     q, k, v, qm, s, km = _projections(params, x)
     ref_loss, masks = same_graphs_dense_loss(
-        seen["rng"],
+        jnp.asarray(seen["rng"]),
         q,
         k,
         v,

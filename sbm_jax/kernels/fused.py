@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from sbm_jax._varying import vary_like
 from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.ste import STE_MODES
 
@@ -300,7 +301,9 @@ def _forward(cfg: FusedConfig, ops):
         jax.ShapeDtypeStruct(lead, jnp.int32),
     )
     call = jax.ffi.ffi_call("sbm_fused_forward", shapes, vmap_method="broadcast_all")
-    return call(*ops, **_attrs(cfg))
+    # Inside jax.shard_map the results vary over the mesh axes the operands vary over
+    # (an FFI call's results vary over none by itself).
+    return vary_like(call(*ops, **_attrs(cfg)), *ops)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -338,6 +341,7 @@ def _fused_bwd(cfg, res, cts):
     grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), **_attrs(cfg))
     # Float inputs get their gradient (zero for the oversampling and delta, which the
     # sampling reads under stop_gradient); integer ones none.
+    grads = vary_like(grads, *ops, *cts)  # as _forward's results, inside jax.shard_map
     cts_in = [g.astype(a.dtype) for g, a in zip(grads, args[:5], strict=True)]
     c, delta = args[5], args[9]
     return (*cts_in, jnp.zeros_like(c), None, None, None, jnp.zeros_like(delta), None, None)
