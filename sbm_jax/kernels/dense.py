@@ -233,7 +233,7 @@ def _graphs_forward(cfg: DenseConfig, args: tuple) -> tuple[jax.Array, ...]:
     """The forward pass: ``(out, lse, count)`` of ``G`` graphs (``[G, n,
     dv]`` float32, ``[G, n]`` with +inf in rows without an edge, ``[G]`` int32) for the
     operands ``(q, k, v, ys, zk, delta, keys, dropout_keys, q_mask, k_mask, row_offsets)``
-    with a leading axis ``G`` (:func:`_graphs_operands`)."""
+    with a leading axis ``G`` (as :func:`streamed_sbm_attention_graphs` builds them)."""
     return jax.lax.map(lambda a: _forward(cfg, *a), args)
 
 
@@ -502,35 +502,6 @@ def streamed_sbm_attention_graphs(
     are ``[G]``), and so do ``out [G, n, dv]`` and the edge counts ``[G]``. Graph ``g``
     gets what :func:`streamed_sbm_attention` gives it alone (the same mask, outputs and
     gradients); its backward pass holds no per-graph copy of an input or a gradient."""
-    cfg, args = _graphs_operands(
-        keys, q, k, v, ys, zk, q_mask, k_mask, delta, law=law, ste=ste,
-        forced_half=forced_half, dropout_rate=dropout_rate, dropout_rngs=dropout_rngs,
-        block_rows=block_rows, row_offsets=row_offsets,
-    )  # fmt: skip
-    return _streamed_graphs(cfg, *args)
-
-
-def _graphs_operands(
-    keys: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    ys: jax.Array,
-    zk: jax.Array,
-    q_mask: jax.Array,
-    k_mask: jax.Array,
-    delta: jax.Array,
-    *,
-    law: str = "bernoulli",
-    ste: str = "paper",
-    forced_half: int | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rngs: jax.Array | None = None,
-    block_rows: int | None = None,
-    row_offsets: jax.Array | None = None,
-) -> tuple[DenseConfig, tuple]:
-    """``(config, operands)`` of :func:`streamed_sbm_attention_graphs`'s arguments, as
-    :func:`_graphs_forward` and :func:`_graphs_backward` take them."""
     check_ste(ste)
     n, m = q.shape[1], k.shape[1]
     bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
@@ -551,7 +522,7 @@ def _graphs_operands(
         q, k, v, ys, zk, delta, keys, drop_keys, q_mask.astype(bool), k_mask.astype(bool),
         offsets.astype(jnp.int32),
     )  # fmt: skip
-    return cfg, args
+    return _streamed_graphs(cfg, *args)
 
 
 def streamed_mask(
