@@ -67,11 +67,6 @@ def windowed_words(keys: jax.Array) -> jax.Array | None:
     return _threefry_key_words(keys)
 
 
-def _to_unit(bits: jax.Array) -> jax.Array:
-    mantissa = (bits >> np.uint32(9)) | np.uint32(0x3F800000)  # in [1, 2)
-    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
-
-
 def uniform_window(words: jax.Array, counters: jax.Array) -> jax.Array:
     """Entries of :func:`uniform` draws without the rest of them: with ``words [..., 2]``
     of keys (:func:`windowed_words`) and ``counters`` of any shape broadcasting against
@@ -80,7 +75,8 @@ def uniform_window(words: jax.Array, counters: jax.Array) -> jax.Array:
     """
     c = counters.astype(jnp.uint32)
     b0, b1 = threefry2x32(words[..., 0], words[..., 1], jnp.zeros_like(c), c)
-    return _to_unit(b0 ^ b1)
+    mantissa = ((b0 ^ b1) >> np.uint32(9)) | np.uint32(0x3F800000)  # in [1, 2)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
 
 
 def uniform(key: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -94,9 +90,7 @@ def uniform(key: jax.Array, shape: Sequence[int]) -> jax.Array:
     words = _threefry_key_words(key)
     if words is None or not jax.config.jax_threefry_partitionable or size >= 2**32:  # type: ignore[attr-defined]
         return jax.random.uniform(key, shape)
-    counts = jax.lax.iota(jnp.uint32, size)
-    b0, b1 = threefry2x32(words[0], words[1], jnp.zeros_like(counts), counts)
-    return _to_unit((b0 ^ b1).reshape(shape))
+    return uniform_window(words, jax.lax.iota(jnp.uint32, size)).reshape(shape)
 
 
 def bernoulli(key: jax.Array, p: float, shape: Sequence[int]) -> jax.Array:

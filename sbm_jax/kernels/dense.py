@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from sbm_jax._random import bernoulli, uniform, uniform_window, windowed_words
+from sbm_jax._random import uniform, uniform_window, windowed_words
 from sbm_jax._scopes import DENSE_PATH, scoped
 from sbm_jax._varying import vary_like
 from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
@@ -122,28 +122,39 @@ def block_mask(
     for queries that are a slice of a longer sequence.
     """
     bq, m = ys_b.shape[0], zk.shape[0]
-    p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
-    rate = p + delta
-    prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
     # Kept, not fused: the hash would otherwise be recomputed in each consumer of the
     # mask.
     u = jax.lax.optimization_barrier(uniform(jax.random.fold_in(key, block), (bq, m)))
+    return _pair_mask(cfg, u, ys_b, zk, delta, qm_b, k_mask, row_offset + block * bq, 0)
+
+
+def _pair_mask(cfg, u, ys_b, zk, delta, qm_b, k_mask, row0, col0) -> jax.Array:
+    """``[rows, keys]`` bool: the pairs of rows ``row0 + [0, rows)`` (positions) and keys
+    ``col0 + [0, keys)`` present for the uniforms ``u``, as :func:`block_mask` says."""
+    p = jnp.dot(ys_b.astype(jnp.float32), zk.astype(jnp.float32).T)
+    rate = p + delta
+    prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
     mask = (u < prob) & qm_b[:, None] & k_mask[None, :]
     if cfg.forced_half >= 0:
         # Padded tokens get far-apart positions, so no forced pair touches them. Every
-        # [bq, m] value here depends on the (per-graph) masks: under an outer loop over
-        # graphs, a tile computed from the block index alone is loop-invariant, and JAX
-        # would hoist it out of the loop stacked over all blocks (an n x m array).
+        # [rows, keys] value here depends on the (per-graph) masks: under an outer loop
+        # over graphs, a tile computed from the block index alone is loop-invariant, and
+        # JAX would hoist it out of the loop stacked over all blocks (an n x m array).
         far = 2**29
-        rows = jnp.where(qm_b, row_offset + block * bq + jnp.arange(bq), -far)
-        cols = jnp.where(k_mask, jnp.arange(m), far)
+        rows = jnp.where(qm_b, row0 + jnp.arange(qm_b.shape[0]), -far)
+        cols = jnp.where(k_mask, col0 + jnp.arange(k_mask.shape[0]), far)
         mask = mask | (jnp.abs(rows[:, None] - cols[None, :]) <= cfg.forced_half)
     return mask
 
 
 def _dropout_scale(cfg: DenseConfig, drop_key, block, shape) -> jax.Array:
-    keep = bernoulli(jax.random.fold_in(drop_key, block), 1.0 - cfg.dropout_rate, shape)
-    return jnp.where(keep, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
+    return _keep_scale(cfg, uniform(jax.random.fold_in(drop_key, block), shape))
+
+
+def _keep_scale(cfg: DenseConfig, u: jax.Array) -> jax.Array:
+    """Inverted dropout's factor on each weight from its uniform (``bernoulli`` is
+    ``uniform < p``): ``1 / (1 - rate)`` kept, 0 dropped."""
+    return jnp.where(u < 1.0 - cfg.dropout_rate, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
 
 
 def _blocks(a: jax.Array, bq: int, n_pad: int) -> jax.Array:
@@ -275,11 +286,11 @@ def _pad_axis1(a: jax.Array, size: int) -> jax.Array:
     return jnp.pad(a, ((0, 0), (0, size - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
 
 
-def _tile_uniforms(key, words, bq, m, r0, rows, c0, chunk):
+def _tile_uniforms(key, windowed, bq, m, r0, rows, c0, chunk):
     """``[rows, chunk]``: the forward's uniforms of pairs ``(r0 + a, c0 + b)``. Row ``i``
     belongs to forward block ``i // bq``, whose draw is ``uniform(fold_in(key, i // bq),
     (bq, m))``; pair ``(i, j)`` is its entry ``(i % bq) * m + j``."""
-    if words is None:  # rows == bq, chunk == all keys: the forward's tile itself
+    if not windowed:  # rows == bq, chunk == all keys: the forward's tile itself
         u = uniform(jax.random.fold_in(key, r0 // bq), (bq, m))
         return jnp.pad(u, ((0, 0), (0, chunk - m)))
     blocks = r0 // bq + jnp.arange(rows // bq)
@@ -306,7 +317,7 @@ def _graphs_backward(
     :func:`_graphs_forward`'s ``out`` and ``lse``, the output's cotangent and the
     edge counts' (``[G]``)."""
     q, k, v, ys, zk, delta, keys, drop_keys, q_mask, k_mask, offset = args
-    res, cts = (*args, out, lse), (dout, dcount)
+    carry_like = (args, out, lse, dout, dcount)  # the loops' carries vary like these
     f32 = jnp.float32
     n_graphs, n, d = q.shape
     m, kc = k.shape[1], ys.shape[-1]
@@ -323,7 +334,6 @@ def _graphs_backward(
     dcount = jnp.asarray(dcount, f32)
     q_, ys_, qm_, lse_, do_, bd_ = (_pad_axis1(a, n_pad) for a in (q, ys, q_mask, lse, dout, big_d))
     k_, v_, zk_, km_ = (_pad_axis1(a, m_pad) for a in (k, v, zk, k_mask))
-    far = 2**29
 
     def tile(g, r0, c0, key, drop_key):
         """Cotangents of one tile: row side ``(dq, dys)``, key side ``(dk, dv, dzk)``."""
@@ -332,23 +342,14 @@ def _graphs_backward(
         do_b, d_b = _window(do_, g, r0, rows), _window(bd_, g, r0, rows)
         k_c, v_c = _window(k_, g, c0, chunk).astype(f32), _window(v_, g, c0, chunk).astype(f32)
         zk_c, km_c = _window(zk_, g, c0, chunk).astype(f32), _window(km_, g, c0, chunk)
-        words = windowed_words(key) if windowed else None
         # The mask exactly as block_mask draws it in the forward pass.
-        rate = jnp.dot(ys_b, zk_c.T) + delta[g]
-        prob = jnp.minimum(rate, 1.0) if cfg.law == "bernoulli" else -jnp.expm1(-rate)
-        u = _tile_uniforms(key, words, bq, m, r0, rows, c0, chunk)
-        mask = (u < prob) & qm_b[:, None] & km_c[None, :]
-        if cfg.forced_half >= 0:
-            pos_r = jnp.where(qm_b, offset[g] + r0 + jnp.arange(rows), -far)
-            pos_c = jnp.where(km_c, c0 + jnp.arange(chunk), far)
-            mask = mask | (jnp.abs(pos_r[:, None] - pos_c[None, :]) <= cfg.forced_half)
+        u = _tile_uniforms(key, windowed, bq, m, r0, rows, c0, chunk)
+        mask = _pair_mask(cfg, u, ys_b, zk_c, delta[g], qm_b, km_c, offset[g] + r0, c0)
         s = jnp.dot(q_b, k_c.T) * inv
         w = jnp.where(mask, jnp.exp(s - lse_b[:, None]), 0.0)
         dw = jnp.dot(do_b, v_c.T)  # [rows, chunk]
         if dropout:
-            dwords = windowed_words(drop_key) if windowed else None
-            keep = _tile_uniforms(drop_key, dwords, bq, m, r0, rows, c0, chunk)
-            z = jnp.where(keep < 1.0 - cfg.dropout_rate, 1.0 / (1.0 - cfg.dropout_rate), 0.0)
+            z = _keep_scale(cfg, _tile_uniforms(drop_key, windowed, bq, m, r0, rows, c0, chunk))
             dw, wz = dw * z, w * z
         else:
             wz = w
@@ -393,7 +394,7 @@ def _graphs_backward(
             acc0 = vary_like(
                 (jnp.zeros((d, chunk), f32), jnp.zeros((v.shape[-1], chunk), f32),
                  jnp.zeros((kc, chunk), f32)),
-                res, cts,
+                carry_like,
             )  # fmt: skip
             (dq, dys), (ak, av, az) = jax.lax.fori_loop(
                 0, n_pad // rows, row_block, ((dq, dys), acc0)
@@ -411,7 +412,7 @@ def _graphs_backward(
             jnp.zeros((n_graphs, size, a.shape[-1]), f32)
             for a, size in ((q, n_pad), (ys, n_pad), (k, m_pad), (v, m_pad), (zk, m_pad))
         ),
-        res, cts,
+        carry_like,
     )  # fmt: skip
     dq, dys, dk, dv, dzk = jax.lax.fori_loop(0, n_graphs, graph, zeros)
     return dq[:, :n], dk[:, :m], dv[:, :m], dys[:, :n], dzk[:, :m]
