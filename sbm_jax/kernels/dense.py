@@ -335,13 +335,13 @@ def _graphs_backward(
     q_, ys_, qm_, lse_, do_, bd_ = (_pad_axis1(a, n_pad) for a in (q, ys, q_mask, lse, dout, big_d))
     k_, v_, zk_, km_ = (_pad_axis1(a, m_pad) for a in (k, v, zk, k_mask))
 
-    def tile(g, r0, c0, key, drop_key):
-        """Cotangents of one tile: row side ``(dq, dys)``, key side ``(dk, dv, dzk)``."""
+    def tile(g, r0, c0, key, drop_key, keys_c):
+        """Cotangents of one tile: row side ``(dq, dys)``, key side ``(dk, dv, dzk)``;
+        ``keys_c``: the key chunk's ``k``, ``v``, ``zk`` and mask."""
         q_b, ys_b = _window(q_, g, r0, rows).astype(f32), _window(ys_, g, r0, rows).astype(f32)
         qm_b, lse_b = _window(qm_, g, r0, rows), _window(lse_, g, r0, rows)
         do_b, d_b = _window(do_, g, r0, rows), _window(bd_, g, r0, rows)
-        k_c, v_c = _window(k_, g, c0, chunk).astype(f32), _window(v_, g, c0, chunk).astype(f32)
-        zk_c, km_c = _window(zk_, g, c0, chunk).astype(f32), _window(km_, g, c0, chunk)
+        k_c, v_c, zk_c, km_c = keys_c
         # The mask exactly as block_mask draws it in the forward pass.
         u = _tile_uniforms(key, windowed, bq, m, r0, rows, c0, chunk)
         mask = _pair_mask(cfg, u, ys_b, zk_c, delta[g], qm_b, km_c, offset[g] + r0, c0)
@@ -382,11 +382,14 @@ def _graphs_backward(
 
         def key_chunk(c, grads):
             c0 = c * chunk
+            # Sliced once per chunk, read by every row block of it.
+            keys_c = tuple(_window(a, g, c0, chunk) for a in (k_, v_, zk_, km_))
+            keys_c = (*(a.astype(f32) for a in keys_c[:3]), keys_c[3])
 
             def row_block(b, carry):
                 (dq, dys), acc = carry
                 r0 = b * rows
-                (dq_t, dys_t), acc_t = tile(g, r0, c0, key, drop_key)
+                (dq_t, dys_t), acc_t = tile(g, r0, c0, key, drop_key, keys_c)
                 rows_out = (add_rows(dq, g, r0, dq_t), add_rows(dys, g, r0, dys_t))
                 return rows_out, tuple(a + t for a, t in zip(acc, acc_t, strict=True))
 
