@@ -268,6 +268,42 @@ def test_vmap_adds_graph_axes_and_bfloat16_keeps_float32_statistics():
     np.testing.assert_allclose(half, mapped[0], rtol=2e-2, atol=2e-2)
 
 
+# ----------------------------------------------------------------------------- the plan
+def test_fused_draws_row_rates_leave_padded_keys_out_and_bound_every_real_pair():
+    """The plan against numpy, with padded keys given the largest memberships: each row's
+    mean draws over 400 keys against c_i sum_j (p_ij + delta) over the real keys only;
+    the oversampling c_i at least the closed form -log(1 - q) / q of the row's true
+    maximum q (c grows with the bound); the graph bound above every real pair."""
+    from sbm_jax.attention.sbm import fused_draws
+
+    rng = np.random.default_rng(0)
+    b, h, n, kc, delta, reps = 2, 2, 24, 5, 0.01, 400
+    mask = np.ones((b, n), bool)
+    mask[1, 17:] = False
+    ys = rng.uniform(0, 0.05, (b, h, n, kc)).astype(np.float32)
+    zk = rng.uniform(0, 1, (b, h, n, kc)).astype(np.float32)
+    zk[1, :, 17:] = 3.0  # padded keys outweigh every real one
+
+    def plan(key):
+        return fused_draws(
+            key, jnp.asarray(ys), jnp.asarray(zk), jnp.asarray(mask), jnp.float32(delta),
+            "bernoulli",
+        )  # fmt: skip
+
+    c, counts, bound = jax.jit(jax.vmap(plan))(jax.random.split(jax.random.PRNGKey(1), reps))
+    c, bound = np.asarray(c[0], np.float64), np.asarray(bound[0], np.float64)
+    p = np.einsum("bhik,bhjk->bhij", ys.astype(np.float64), zk.astype(np.float64))
+    real_pair = mask[:, None, :, None] & mask[:, None, None, :]
+    rate = c * np.where(real_pair, p + delta, 0.0).sum(-1)  # [b, h, n], 0 on padded rows
+    mean = np.asarray(counts, np.float64).mean(0)
+    np.testing.assert_array_less(np.abs(mean - rate), 6 * np.sqrt(rate / reps) + 1e-9)
+    row_max = np.where(real_pair, p + delta, 0.0).max(-1)
+    real_row = np.broadcast_to(mask[:, None], c.shape)
+    q = np.clip(row_max[real_row], 1e-6, 1 - 1e-7)
+    assert np.all(c[real_row] >= -np.log1p(-q) / q * (1 - 1e-5))
+    assert np.all(bound >= row_max.max(-1) * (1 - 1e-6))
+
+
 # ----------------------------------------------------------------------------- the layer
 def test_layer_with_the_fused_kernel_matches_the_dense_reference_on_its_graphs():
     from sbm_jax.attention.sbm import fused_draws, sbm_attention_core
@@ -291,7 +327,8 @@ def test_layer_with_the_fused_kernel_matches_the_dense_reference_on_its_graphs()
     ys = jnp.einsum("bhik,hkl->bhil", qm * real, blk)
     zk = km * real
     k_count, k_sample = jax.random.split(rng)
-    c, counts, _ = fused_draws(k_count, ys, zk, MASK, jnp.float32(delta), "bernoulli")
+    # The core passes the key memberships unmasked (the plan masks what it sums).
+    c, counts, _ = fused_draws(k_count, ys, km, MASK, jnp.float32(delta), "bernoulli")
     keys = jax.random.split(k_sample, q.shape[:2])
     seeds = jax.vmap(jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32)))(keys)
     masks_b = jnp.broadcast_to(MASK[:, None, :], counts.shape)
