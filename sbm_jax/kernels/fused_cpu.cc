@@ -288,6 +288,8 @@ struct Tables {
   double* zsum;     // [kc] total weight of each cluster (ccdf[v][nc])
   int32_t* real;    // [m] the real keys, in order
   double* rtot;     // [n] each row's total cluster weight (row_total)
+  float* crun;      // [kChunk][kc] one chunk's running sums while the tables are built
+  float* zero;      // [kc] zeros (a padded key's memberships)
   int64_t mreal = 0, nc = 0;
 };
 
@@ -358,6 +360,8 @@ static void layout(const Dims& D, bool with_acc, Bump& b, Slot& s) {
   s.t.zsum = b.take<double>(D.kc);
   s.t.real = b.take<int32_t>(D.m);
   s.t.rtot = b.take<double>(D.n);
+  s.t.crun = b.take<float>(kChunk * D.kc);
+  s.t.zero = b.take<float>(D.kc);
   s.t.nc = nc;
   Block& k = s.b;
   k.rows_max = block_rows_max(D);
@@ -451,15 +455,6 @@ static Pool& pool() {
 
 // ---- search tables ---------------------------------------------------------------------
 
-// Row i's total cluster weight, sum_v (Y S)_iv sum_j z_jv + delta * #real keys: its
-// expected draws over c_i (the row CDF's total).
-static inline double row_total(const Dims& D, const Graph& g, const Tables& t, int64_t i) {
-  const float* ysi = g.ys + i * D.kc;
-  double total = 0.0;
-  for (int64_t v = 0; v < D.kc; ++v) total += static_cast<double>(std::max(ysi[v], 0.0f)) * t.zsum[v];
-  return total + static_cast<double>(g.delta) * static_cast<double>(t.mreal);
-}
-
 static void build_tables(const Dims& D, const Graph& g, Tables& t) {
   PhaseTimer timer(kTables);
   const int64_t m = D.m, kc = D.kc, nc = t.nc, width = nc * kChunk;
@@ -467,28 +462,32 @@ static void build_tables(const Dims& D, const Graph& g, Tables& t) {
   for (int64_t j = 0; j < m; ++j)
     if (g.km[j]) t.real[mreal++] = static_cast<int32_t>(j);
   t.mreal = mreal;
-  // Memberships cluster-major (padded keys and keys past m weigh 0), one block of keys at
-  // a time; then each chunk of 16 becomes its inclusive cumulative sum.
-  constexpr int64_t JB = 16;
-  for (int64_t j0 = 0; j0 < width; j0 += JB) {
+  // Each chunk of 16 keys becomes every cluster's inclusive cumulative sums (padded keys
+  // and keys past m weigh 0): the sums run over the chunk's keys with the clusters side
+  // by side (a key's memberships are one contiguous row, so the adds vectorise across
+  // clusters and no cluster waits on its own previous add), each cluster's in the same
+  // order as one cluster at a time; then they are written cluster-major.
+  float* run = t.crun;
+  std::fill(t.zero, t.zero + kc, 0.0f);
+  for (int64_t c = 0; c < nc; ++c) {
+    for (int64_t x = 0; x < kChunk; ++x) {
+      const int64_t j = c * kChunk + x;
+      const float* zj = (j < m && g.km[j]) ? g.z + j * kc : t.zero;
+      const float* prev = x ? run + (x - 1) * kc : t.zero;
+      float* cur = run + x * kc;
+#pragma omp simd
+      for (int64_t v = 0; v < kc; ++v) cur[v] = prev[v] + std::max(zj[v], 0.0f);
+    }
     for (int64_t v = 0; v < kc; ++v) {
-      float* dst = t.zc + v * width;
-      for (int64_t j = j0; j < j0 + JB; ++j)
-        dst[j] = (j < m && g.km[j]) ? std::max(g.z[j * kc + v], 0.0f) : 0.0f;
+      float* dst = t.zc + v * width + c * kChunk;
+      for (int64_t x = 0; x < kChunk; ++x) dst[x] = run[x * kc + v];
     }
   }
   for (int64_t v = 0; v < kc; ++v) {
-    float* w = t.zc + v * width;
+    const float* w = t.zc + v * width;
     double* cdf = t.ccdf + v * (nc + 1 + kPad);
     cdf[0] = 0.0;
-    for (int64_t c = 0; c < nc; ++c) {
-      float part = 0.0f;
-      for (int64_t j = c * kChunk; j < (c + 1) * kChunk; ++j) {
-        part += w[j];
-        w[j] = part;
-      }
-      cdf[c + 1] = cdf[c] + static_cast<double>(part);
-    }
+    for (int64_t c = 0; c < nc; ++c) cdf[c + 1] = cdf[c] + static_cast<double>(w[c * kChunk + kChunk - 1]);
     const double total = cdf[nc];
     for (int64_t x = 1; x <= kPad; ++x) cdf[nc + x] = INFINITY;
     t.zsum[v] = total;
@@ -500,7 +499,22 @@ static void build_tables(const Dims& D, const Graph& g, Tables& t) {
       guide[q] = static_cast<int32_t>(c);
     }
   }
-  for (int64_t i = 0; i < D.n; ++i) t.rtot[i] = g.qm[i] ? row_total(D, g, t, i) : 0.0;
+  // Row i's total cluster weight, sum_v (Y S)_iv sum_j z_jv + delta * #real keys (its
+  // expected draws over c_i, the row CDF's total), for kRowLanes rows at once, each row's
+  // sum in its own lane and in order: independent chains, not one dependent add per term.
+  constexpr int64_t kRowLanes = 8;
+  const double mreal_delta = static_cast<double>(g.delta) * static_cast<double>(mreal);
+  for (int64_t i0 = 0; i0 < D.n; i0 += kRowLanes) {
+    const int64_t lanes = std::min(kRowLanes, D.n - i0);
+    const float* ys = g.ys + i0 * kc;
+    double tot[kRowLanes] = {};
+    for (int64_t v = 0; v < kc; ++v) {
+      const double zv = t.zsum[v];
+      for (int64_t r = 0; r < kRowLanes; ++r)
+        if (r < lanes) tot[r] += static_cast<double>(std::max(ys[r * kc + v], 0.0f)) * zv;
+    }
+    for (int64_t r = 0; r < lanes; ++r) t.rtot[i0 + r] = g.qm[i0 + r] ? tot[r] + mreal_delta : 0.0;
+  }
 }
 
 // s + the number of entries cdf[s + 1 .. s + 8] at or below target: the entries at or
