@@ -9,6 +9,7 @@ key), and the layer against the dense reference on the graphs it drew.
 """
 
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -113,17 +114,18 @@ def test_forced_edges_are_always_present_and_nothing_else_changes():
 
 # ----------------------------------------------------------------------------- numbers
 @pytest.mark.parametrize(
-    "ste, half, rate, threads",
+    "ste, half, rate, threads, cache",
     [
-        ("paper", -1, 0.0, 1),
-        ("paper", 1, 0.3, 2),
-        ("reference", -1, 0.0, 2),
-        ("reference", 2, 0.2, 1),
-        ("pairs", -1, 0.0, 2),
-        ("pairs", 1, 0.0, 1),
+        ("paper", -1, 0.0, 1, 0),
+        ("paper", 1, 0.3, 2, N * M),
+        ("reference", -1, 0.0, 2, 0),
+        ("reference", 2, 0.2, 1, N * M),
+        ("pairs", -1, 0.0, 2, 0),
+        ("pairs", 1, 0.0, 1, N * M),
     ],
 )
-def test_outputs_and_gradients_match_numpy_on_the_kernels_graph(ste, half, rate, threads):
+def test_outputs_and_gradients_match_numpy_on_the_kernels_graph(ste, half, rate, threads, cache):
+    """``cache``: edge slots the forward pass keeps for the backward (N * M: every edge)."""
     q, k, v, g, ys, zk = _inputs(3)
     g = 6.0 * g  # large cotangents: the reference estimator's clip is active
     cnt_ct = 0.4
@@ -132,7 +134,7 @@ def test_outputs_and_gradients_match_numpy_on_the_kernels_graph(ste, half, rate,
     counts = jax.random.poisson(jax.random.PRNGKey(4), jnp.asarray(row_rate)).astype(jnp.int32)
     seeds, dseeds = _seeds(jax.random.PRNGKey(5)), _seeds(jax.random.PRNGKey(6))
     qm, km = jnp.asarray(Q_MASK), jnp.asarray(K_MASK)
-    cfg = FusedConfig("bernoulli", half, rate, ste, probes=M, threads=threads)  # every key
+    cfg = FusedConfig("bernoulli", half, rate, ste, probes=M, threads=threads, cache_slots=cache)
 
     def loss(q, k, v, ys, zk):
         out, count, edges = fused_sbm_attention(
@@ -233,6 +235,68 @@ def test_threads_and_graph_batches_give_the_same_numbers():
     for a, b, cc in zip(g1, g2, g3, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(a, cc, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_edge_cache_holds_the_blocks_that_fit_and_changes_no_number(threads):
+    """Three graphs of 600 query rows (three row blocks each: 256, 256, 88) and a cache
+    with room for the first block only: the forward pass keeps
+    exactly the kernel's graph for the blocks that fit (against ``fused_graph_masks``),
+    and outputs and gradients are those without a cache, or with room for every edge (bit
+    for bit where the order of the sums is fixed). With 2 threads the third graph's
+    blocks are shared out to the threads."""
+    rng = np.random.default_rng(3)
+    G, n, m, kc, d = 3, 600, 40, 3, 4
+    q = jnp.asarray(rng.normal(size=(G, n, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(G, m, d)), jnp.float32) for _ in range(2))
+    ys = jnp.asarray(rng.random((G, n, kc)) * 0.02, jnp.float32)  # no row drawn pair by pair
+    zk = jnp.asarray(rng.random((G, m, kc)), jnp.float32)
+    c = jnp.ones((G, n), jnp.float32)
+    counts = jnp.asarray(rng.poisson(4.0, size=(G, n)), jnp.int32)
+    seeds = _seeds(jax.random.PRNGKey(7), (G,))
+    qm, km = jnp.ones((G, n), bool), jnp.ones((G, m), bool)
+    delta = jnp.zeros((G,))
+    g = jnp.asarray(rng.normal(size=(G, n, d)), jnp.float32)
+    # A row's edge bound is its draws plus its forced pairs (3), at most m.
+    bounds = np.minimum(np.asarray(counts) + 3, m)
+    first_block = int(bounds[:, :256].sum(1).max())
+    cfgs = {
+        slots: FusedConfig("poisson", 1, 0.0, "paper", probes=4, threads=threads, cache_slots=slots)
+        for slots in (0, first_block, n * m)
+    }
+
+    def run(cfg):
+        def loss(q, k, v, ys, zk):
+            out, count, _ = fused_sbm_attention(
+                cfg, seeds, seeds, q, k, v, ys, zk, c, counts, qm, km, delta
+            )
+            return jnp.sum(out * g) + 0.3 * jnp.sum(count)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=range(5)))(q, k, v, ys, zk)
+
+    # What the forward pass keeps, against the kernel's graphs.
+    mask = np.asarray(
+        fused_graph_masks(seeds, ys, zk, c, counts, qm, km, delta, law="poisson", forced_half=1)
+    )
+    ops = fused._operands(q, k, v, ys, zk, c, counts, qm, km, delta, seeds, seeds)
+    _, _, _, cols, lens = jax.jit(partial(fused._forward, cfgs[first_block]))(ops)
+    cols, lens = np.asarray(cols), np.asarray(lens)
+    for gi in range(G):
+        rows = mask[gi, :256]
+        np.testing.assert_array_equal(lens[gi, :256], rows.sum(1))
+        np.testing.assert_array_equal(cols[gi, : rows.sum()], np.nonzero(rows)[1])
+        assert np.all(lens[gi, 256:] == -1)  # not kept: drawn again in the backward pass
+    assert first_block < int(bounds[:, :512].sum(1).min())  # the second block did not fit
+    (v0, g0), (v1, g1), (v2, g2) = (run(cfgs[s]) for s in sorted(cfgs))
+    assert v0 == v1 == v2
+    for a, b, cc in zip(g0, g1, g2, strict=True):
+        # Bit for bit, but for the shared graph's key-side sums, whose order follows which
+        # thread took which block.
+        exact = slice(0, 2) if threads > 1 else slice(None)
+        np.testing.assert_array_equal(a[exact], b[exact])
+        np.testing.assert_array_equal(a[exact], cc[exact])
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, cc, rtol=1e-6, atol=1e-6)
 
 
 def test_vmap_adds_graph_axes_and_bfloat16_keeps_float32_statistics():

@@ -287,6 +287,13 @@ class SBMAttention(nn.Module):
         instead of ``capacity_buckets``' fractions of the block's pairs (0); it must hold
         at least one draw per row of a block. A block whose draws exceed its largest
         buffer runs dense, alone.
+      edge_cache: with the fused CPU kernel, edge slots per query row (4 bytes each,
+        ``[B, H, length * edge_cache]`` int32 kept between the passes) in which the
+        forward pass keeps its edges, so that the backward pass draws again only the row
+        blocks that did not fit (a block's room is its rows' draws plus forced pairs); 0
+        (default) keeps nothing edge-sized between the passes. Other kernels ignore it.
+        It trades memory for time: at n=4096, 5% density, ``edge_cache=256`` measured
+        in docs/benchmarks.md.
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's
@@ -325,6 +332,7 @@ class SBMAttention(nn.Module):
     pair_probes: int = DEFAULT_PAIR_PROBES
     stream_rows: int = 0
     stream_slots: int = 0
+    edge_cache: int = 0
 
     def core_options(self, deterministic: bool = True) -> SBMOptions:
         """The :class:`SBMOptions` this module runs its core with: its fields of the same

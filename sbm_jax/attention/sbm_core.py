@@ -53,6 +53,7 @@ from sbm_jax.fastrg import (
 )
 from sbm_jax.kernels.cost import edge_cost as calibrated_edge_cost
 from sbm_jax.kernels.dense import streamed_sbm_attention, streamed_sbm_attention_graphs
+from sbm_jax.kernels.fused import EDGE_CACHE_NAME
 from sbm_jax.kernels.pairs import expected_pair_sum, with_absent_pairs
 from sbm_jax.kernels.streamed import StreamConfig, streamed_graphs
 from sbm_jax.ste import clip_cotangent, edge_logit_terms, edge_probs_straight_through
@@ -98,8 +99,9 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
 #: softmax statistics. Everything else (edge list, kernel layout, STE) is recomputed
 #: from them in O(C); fastRG and the attention forward run once per training step. The
 #: dense branch is checkpointed with the same policy: its streamed kernel tags its output
-#: and log-normaliser with the same names, and it has no edge keys.
-SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES)
+#: and log-normaliser with the same names, and it has no edge keys. The fused kernel's
+#: edge cache (``edge_cache``; one-element placeholders without it) is kept too.
+SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES, EDGE_CACHE_NAME)
 SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
 
@@ -540,6 +542,7 @@ def _fused_core(
             ste=o.ste,
             probes=o.pair_probes,
             threads=default_threads(),
+            cache_slots=o.edge_cache * length,
         )
         out, num, edges = fused_sbm_attention(
             cfg, seeds, drop_seeds, q, k, v, ys, zk, oversample, counts, masks, masks, deltas

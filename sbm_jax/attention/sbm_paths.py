@@ -76,6 +76,7 @@ class SBMOptions:
     pair_probes: int = DEFAULT_PAIR_PROBES
     stream_rows: int = 0
     stream_slots: int = 0
+    edge_cache: int = 0
 
     def validate(self) -> None:
         """Raise a ValueError naming the bad field as ``SBMAttention`` (and a config's
@@ -111,6 +112,7 @@ class SBMOptions:
             "dense_below",
             "stream_rows",
             "stream_slots",
+            "edge_cache",
         ):
             check_int(field, getattr(self, field), minimum=0)
         if 0 < self.stream_slots < self.stream_rows:
@@ -141,6 +143,7 @@ class SBMOptions:
             pair_probes=int(self.pair_probes),
             stream_rows=int(self.stream_rows),
             stream_slots=int(self.stream_slots),
+            edge_cache=int(self.edge_cache),
         )
 
     @property

@@ -261,6 +261,7 @@ class FusedConfig(NamedTuple):
     ste: str  # "paper", "reference" or "pairs"
     probes: int  # pair probes per query row (ste="pairs")
     threads: int
+    cache_slots: int = 0  # edge slots per graph kept from the forward pass; 0: none
 
 
 def _attrs(cfg: FusedConfig) -> dict[str, np.generic]:
@@ -271,6 +272,7 @@ def _attrs(cfg: FusedConfig) -> dict[str, np.generic]:
         ste=np.int64(STE_MODES.index(cfg.ste)),
         probes=np.int64(cfg.probes),
         threads=np.int64(cfg.threads),
+        cache_slots=np.int64(cfg.cache_slots),
     )
 
 
@@ -291,14 +293,25 @@ def _operands(*args):
     return tuple(a.astype(t) for a, t in zip(args, _OPERAND_DTYPES, strict=True))
 
 
+#: checkpoint_name of the fused kernel's edge cache, which a jax.checkpoint policy keeps
+#: with the output and log-normaliser (``sbm_core.SAVED_NAMES``).
+EDGE_CACHE_NAME = "sbm_fused_edge_cache"
+
+
 def _forward(cfg: FusedConfig, ops):
+    """``(out, lse, edges, cache_cols, cache_len)``: with ``cfg.cache_slots`` the edges of
+    every row block that fits (``[..., slots]`` int32, each row's count in ``[..., n]``),
+    else one-element placeholders."""
     load()
     q, v = ops[0], ops[2]
     lead = q.shape[:-2]
+    on = cfg.cache_slots > 0
     shapes = (
         jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), jnp.float32),
         jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),
         jax.ShapeDtypeStruct(lead, jnp.int32),
+        jax.ShapeDtypeStruct((*lead, cfg.cache_slots if on else 1), jnp.int32),
+        jax.ShapeDtypeStruct((*lead, q.shape[-2] if on else 1), jnp.int32),
     )
     call = jax.ffi.ffi_call("sbm_fused_forward", shapes, vmap_method="broadcast_all")
     # Inside jax.shard_map the results vary over the mesh axes the operands vary over
@@ -309,22 +322,23 @@ def _forward(cfg: FusedConfig, ops):
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(cfg, q, k, v, ys, z, c, counts, q_mask, k_mask, delta, seeds, dseeds):
     ops = _operands(q, k, v, ys, z, c, counts, q_mask, k_mask, delta, seeds, dseeds)
-    out, _, edges = _forward(cfg, ops)
+    out, _, edges, _, _ = _forward(cfg, ops)
     return out.astype(v.dtype), edges.astype(jnp.float32)
 
 
 def _fused_fwd(cfg, *args):
     ops = _operands(*args)
-    out, lse, edges = _forward(cfg, ops)
+    out, lse, edges, cols, lens = _forward(cfg, ops)
     # Tagged so that a jax.checkpoint policy keeps them (the edge kernels' names).
     out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
     out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
+    cols, lens = (checkpoint_name(a, EDGE_CACHE_NAME) for a in (cols, lens))
     v = args[2]
-    return (out.astype(v.dtype), edges.astype(jnp.float32)), (args, out, lse)
+    return (out.astype(v.dtype), edges.astype(jnp.float32)), (args, out, lse, cols, lens)
 
 
 def _fused_bwd(cfg, res, cts):
-    args, out, lse = res
+    args, out, lse, cols, lens = res
     dout, dcount = cts
     f32 = jnp.float32
     ops = _operands(*args)
@@ -338,7 +352,7 @@ def _fused_bwd(cfg, res, cts):
         vmap_method="broadcast_all",
         input_output_aliases={0: 0, 3: 3},
     )
-    grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), **_attrs(cfg))
+    grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), cols, lens, **_attrs(cfg))
     # Float inputs get their gradient (zero for the oversampling and delta, which the
     # sampling reads under stop_gradient); integer ones none.
     grads = vary_like(grads, *ops, *cts)  # as _forward's results, inside jax.shard_map

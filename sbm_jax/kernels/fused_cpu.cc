@@ -589,25 +589,47 @@ static inline int64_t edge_bound(const Dims& D, const Opts& O, const Graph& g, c
   return std::min<int64_t>(D.m, static_cast<int64_t>(g.counts[i]) + forced);
 }
 
-// The row blocks of a graph: [starts[b], starts[b + 1]). Rows join a block while the
+// The row blocks of a graph: rows [starts[b], starts[b + 1]). Rows join a block while the
 // block has at most rows_max rows and the sum of their edge bounds fits its edge slots.
-static std::vector<int64_t> block_starts(const Dims& D, const Opts& O, const Graph& g, const Tables& t) {
+// offs[b] is the sum of the edge bounds of the rows before block b: where the block's
+// edges go in the edge cache (offs[b + 1] <= the cache's slots: it fits).
+struct Blocks {
+  std::vector<int64_t> starts, offs;
+  size_t count() const { return starts.size() - 1; }
+};
+
+static Blocks blocks_of(const Dims& D, const Opts& O, const Graph& g, const Tables& t) {
   const int64_t rows_max = block_rows_max(D), ecap = block_edge_cap(D);
-  std::vector<int64_t> starts{0};
+  Blocks bl;
+  bl.starts.push_back(0);
+  bl.offs.push_back(0);
   int64_t rows = 0, edges = 0;
   for (int64_t i = 0; i < D.n; ++i) {
     const int64_t e = edge_bound(D, O, g, t, i);
     if (rows > 0 && (rows == rows_max || edges + e > ecap)) {
-      starts.push_back(i);
+      bl.starts.push_back(i);
+      bl.offs.push_back(bl.offs.back() + edges);
       rows = 0;
       edges = 0;
     }
     ++rows;
     edges += e;
   }
-  starts.push_back(D.n);
-  return starts;
+  bl.starts.push_back(D.n);
+  bl.offs.push_back(bl.offs.back() + edges);
+  return bl;
 }
+
+// One graph's edge cache: the forward pass keeps the edges of every block that fits in
+// `slots` (cols[offs[b] ..], each row's count in len[row]; -1 for the rows of the blocks
+// that do not fit); the backward pass reads them instead of drawing the block again.
+// slots == 0: no cache.
+struct EdgeCache {
+  int32_t* cols = nullptr;
+  int32_t* len = nullptr;
+  int64_t slots = 0;
+  bool holds(int64_t off_end) const { return slots > 0 && off_end <= slots; }
+};
 
 // The pending draws, sorted by cluster, each resolved to its key (the cluster's tables
 // stay in cache across its draws) and set in its row's bitmap.
@@ -911,9 +933,16 @@ struct FwdOut {
 };
 
 static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
-                             int64_t r0, int64_t r1, FwdOut o) {
+                             int64_t r0, int64_t r1, FwdOut o, const EdgeCache& cache, int64_t off0,
+                             int64_t off1) {
   const int64_t d = D.d, dv = D.dv, rows = r1 - r0;
   const int64_t edges = sample_block(D, O, g, t, b, r0, r1);
+  if (cache.holds(off1)) {  // edges <= the block's bounds, off1 - off0
+    std::copy(b.rcols, b.rcols + edges, cache.cols + off0);
+    for (int64_t lr = 0; lr < rows; ++lr) cache.len[r0 + lr] = b.rptr[lr + 1] - b.rptr[lr];
+  } else if (cache.slots > 0) {
+    std::fill(cache.len + r0, cache.len + r1, -1);  // drawn again in the backward pass
+  }
   sort_by_key(D, b, rows);
   PhaseTimer timer(kAttendForward);
   const float inv = 1.0f / std::sqrt(static_cast<float>(d));
@@ -1000,9 +1029,16 @@ static void backward_keys(const Dims& D, const Opts& O, const Graph& g, Block& b
 }
 
 static void backward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
-                           int64_t r0, int64_t r1, const BwdIo& io) {
+                           int64_t r0, int64_t r1, const BwdIo& io, const EdgeCache& cache, int64_t off0,
+                           int64_t off1) {
   const int64_t d = D.d, dv = D.dv, kc = D.kc, m = D.m, rows = r1 - r0;
-  sample_block(D, O, g, t, b, r0, r1);
+  if (cache.holds(off1)) {  // the forward pass kept this block's edges
+    b.rptr[0] = 0;
+    for (int64_t lr = 0; lr < rows; ++lr) b.rptr[lr + 1] = b.rptr[lr] + cache.len[r0 + lr];
+    std::copy(cache.cols + off0, cache.cols + off0 + b.rptr[rows], b.rcols);
+  } else {
+    sample_block(D, O, g, t, b, r0, r1);
+  }
   sort_by_key(D, b, rows);
   PhaseTimer timer(kAttendBackward);
   const float inv = 1.0f / std::sqrt(static_cast<float>(d));
@@ -1125,7 +1161,7 @@ struct Scratch {
 // Graphs run in rounds of one per thread (each thread its own tables); the graphs left
 // over (fewer than the threads) one at a time, their row blocks shared out to the threads,
 // which read one set of tables. whole(gi, slot) runs a graph; part(gi, thread, slot,
-// tables, r0, r1) a block of one; after(gi) follows a shared graph.
+// tables, blocks, b) block b of one; after(gi) follows a shared graph.
 template <class Whole, class Part, class After>
 static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& sc, Whole whole, Part part,
                        After after) {
@@ -1141,19 +1177,24 @@ static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& 
     }
     const Graph g = graph_at(D, in, g0);
     build_tables(D, g, sc.slots[0].t);
-    const std::vector<int64_t> starts = block_starts(D, O, g, sc.slots[0].t);
-    const int64_t nblocks = static_cast<int64_t>(starts.size()) - 1;
+    const Blocks bl = blocks_of(D, O, g, sc.slots[0].t);
+    const int64_t nblocks = static_cast<int64_t>(bl.count());
     std::atomic<int64_t> next{0};
     on_threads(threads, [&](int t) {
-      for (int64_t blk; (blk = next.fetch_add(1)) < nblocks;)
-        part(g0, t, sc.slots[t], sc.slots[0].t, starts[blk], starts[blk + 1]);
+      for (int64_t blk; (blk = next.fetch_add(1)) < nblocks;) part(g0, t, sc.slots[t], sc.slots[0].t, bl, blk);
     });
     after(g0);
   }
 }
 
+// Graph gi's part of a call's edge cache ([G, slots] columns, [G, n] row counts).
+static EdgeCache cache_of(const Dims& D, const EdgeCache& all, int64_t gi) {
+  if (all.slots <= 0) return EdgeCache{};
+  return EdgeCache{all.cols + gi * all.slots, all.len + gi * D.n, all.slots};
+}
+
 static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* out, float* lse,
-                        int32_t* edges, Scratch& sc) {
+                        int32_t* edges, const EdgeCache& cache_all, Scratch& sc) {
   auto clip = [](int64_t x) { return static_cast<int32_t>(std::min<int64_t>(x, INT32_MAX)); };
   auto fout = [&](int64_t gi) { return FwdOut{out + gi * D.n * D.dv, lse + gi * D.n}; };
   std::vector<std::atomic<int64_t>> totals(static_cast<size_t>(D.G));
@@ -1161,14 +1202,17 @@ static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* o
   auto whole = [&](int64_t gi, Slot& s) {
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
+    const Blocks bl = blocks_of(D, O, g, s.t);
+    const EdgeCache cache = cache_of(D, cache_all, gi);
     int64_t total = 0;
-    for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
-      total += forward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], fout(gi));
+    for (size_t b = 0; b < bl.count(); ++b)
+      total += forward_block(D, O, g, s.t, s.b, bl.starts[b], bl.starts[b + 1], fout(gi), cache, bl.offs[b],
+                             bl.offs[b + 1]);
     edges[gi] = clip(total);
   };
-  auto part = [&](int64_t gi, int, Slot& s, const Tables& t, int64_t r0, int64_t r1) {
-    totals[gi].fetch_add(forward_block(D, O, graph_at(D, in, gi), t, s.b, r0, r1, fout(gi)));
+  auto part = [&](int64_t gi, int, Slot& s, const Tables& t, const Blocks& bl, int64_t b) {
+    totals[gi].fetch_add(forward_block(D, O, graph_at(D, in, gi), t, s.b, bl.starts[b], bl.starts[b + 1],
+                                       fout(gi), cache_of(D, cache_all, gi), bl.offs[b], bl.offs[b + 1]));
   };
   auto after = [&](int64_t gi) { edges[gi] = clip(totals[gi].load()); };
   for_graphs(D, O, in, sc, whole, part, after);
@@ -1176,7 +1220,8 @@ static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* o
 
 static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const float* out,
                          const float* lse, const float* dout, const float* dnum, float* dq,
-                         float* dk, float* dv, float* dys, float* dz, Scratch& sc) {
+                         float* dk, float* dv, float* dys, float* dz, const EdgeCache& cache_all,
+                         Scratch& sc) {
   const int64_t n = D.n, m = D.m, d = D.d, dvd = D.dv, kc = D.kc;
   auto io_for = [&](int64_t gi) {
     BwdIo io;
@@ -1199,19 +1244,21 @@ static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const f
     zero_keys(io.dz, m * kc);
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
-    for (size_t blk = 0; blk + 1 < starts.size(); ++blk)
-      backward_block(D, O, g, s.t, s.b, starts[blk], starts[blk + 1], io);
+    const Blocks bl = blocks_of(D, O, g, s.t);
+    const EdgeCache cache = cache_of(D, cache_all, gi);
+    for (size_t b = 0; b < bl.count(); ++b)
+      backward_block(D, O, g, s.t, s.b, bl.starts[b], bl.starts[b + 1], io, cache, bl.offs[b], bl.offs[b + 1]);
   };
   // A shared graph: thread 0 adds into the outputs, the others into their accumulators.
-  auto part = [&](int64_t gi, int t, Slot& s, const Tables& tab, int64_t r0, int64_t r1) {
+  auto part = [&](int64_t gi, int t, Slot& s, const Tables& tab, const Blocks& bl, int64_t b) {
     BwdIo io = io_for(gi);
     if (t > 0) {
       io.dk = s.b.acc;
       io.dv = io.dk + m * d;
       io.dz = io.dv + m * dvd;
     }
-    backward_block(D, O, graph_at(D, in, gi), tab, s.b, r0, r1, io);
+    backward_block(D, O, graph_at(D, in, gi), tab, s.b, bl.starts[b], bl.starts[b + 1], io,
+                   cache_of(D, cache_all, gi), bl.offs[b], bl.offs[b + 1]);
   };
   auto after = [&](int64_t gi) {
     const BwdIo io = io_for(gi);
@@ -1314,23 +1361,40 @@ static Opts opts_of(int64_t law, int64_t forced_half, float drop_rate, int64_t s
   return O;
 }
 
+// The edge cache's buffers ([G, slots] and [G, n] int32) against the graphs; with
+// slots == 0 they are placeholders and unread.
+static ffi::Error cache_from(const Dims& D, int64_t slots, ffi::AnyBuffer cols, ffi::AnyBuffer len,
+                             EdgeCache* cache) {
+  *cache = EdgeCache{};
+  if (slots <= 0) return ffi::Error::Success();
+  if (lead_count(cols, 1) != D.G || dim_from_end(cols, 1) != slots || lead_count(len, 1) != D.G ||
+      dim_from_end(len, 1) != D.n)
+    return ffi::Error::InvalidArgument("sbm fused: the edge cache does not match the graphs and cache_slots");
+  *cache = EdgeCache{cols.typed_data<int32_t>(), len.typed_data<int32_t>(), slots};
+  return ffi::Error::Success();
+}
+
 static ffi::Error FusedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer ys,
                                ffi::AnyBuffer z, ffi::AnyBuffer c, ffi::AnyBuffer counts,
                                ffi::AnyBuffer qmask, ffi::AnyBuffer kmask, ffi::AnyBuffer delta,
                                ffi::AnyBuffer seeds, ffi::AnyBuffer dseeds, int64_t law,
                                int64_t forced_half, float drop_rate, int64_t ste, int64_t probes,
-                               int64_t threads, ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> edges) {
+                               int64_t threads, int64_t cache_slots, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> edges,
+                               ffi::Result<ffi::AnyBuffer> cache_cols, ffi::Result<ffi::AnyBuffer> cache_len) {
   Dims D;
   if (auto err = dims_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds, &D); err.failure())
     return err;
   Opts O = opts_of(law, forced_half, drop_rate, ste, probes, threads);
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
   const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
+  EdgeCache cache;
+  if (auto err = cache_from(D, cache_slots, *cache_cols, *cache_len, &cache); err.failure()) return err;
   // The same scratch as the backward call's, so the two share the pool's blocks.
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
-  forward_all(D, O, in, out->typed_data<float>(), lse->typed_data<float>(), edges->typed_data<int32_t>(), sc);
+  forward_all(D, O, in, out->typed_data<float>(), lse->typed_data<float>(), edges->typed_data<int32_t>(), cache,
+              sc);
   return ffi::Error::Success();
 }
 
@@ -1339,8 +1403,9 @@ static ffi::Error FusedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer qmask, ffi::AnyBuffer kmask, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer seeds, ffi::AnyBuffer dseeds, ffi::AnyBuffer out,
                                 ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dnum,
-                                int64_t law, int64_t forced_half, float drop_rate, int64_t ste,
-                                int64_t probes, int64_t threads, ffi::Result<ffi::AnyBuffer> dq,
+                                ffi::AnyBuffer cache_cols, ffi::AnyBuffer cache_len, int64_t law,
+                                int64_t forced_half, float drop_rate, int64_t ste, int64_t probes,
+                                int64_t threads, int64_t cache_slots, ffi::Result<ffi::AnyBuffer> dq,
                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                                 ffi::Result<ffi::AnyBuffer> dys, ffi::Result<ffi::AnyBuffer> dz) {
   Dims D;
@@ -1353,11 +1418,13 @@ static ffi::Error FusedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   Opts O = opts_of(law, forced_half, drop_rate, ste, probes, threads);
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
   const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
+  EdgeCache cache;
+  if (auto err = cache_from(D, cache_slots, cache_cols, cache_len, &cache); err.failure()) return err;
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
   backward_all(D, O, in, out.typed_data<float>(), lse.typed_data<float>(), dout.typed_data<float>(),
                dnum.typed_data<float>(), dq->typed_data<float>(), dk->typed_data<float>(),
-               dv->typed_data<float>(), dys->typed_data<float>(), dz->typed_data<float>(), sc);
+               dv->typed_data<float>(), dys->typed_data<float>(), dz->typed_data<float>(), cache, sc);
   return ffi::Error::Success();
 }
 
@@ -1393,9 +1460,9 @@ static ffi::Error FusedGraph(ffi::AnyBuffer ys, ffi::AnyBuffer z, ffi::AnyBuffer
   for (int64_t gi = 0; gi < D.G; ++gi) {
     const Graph g = graph_at(D, in, gi);
     build_tables(D, g, s.t);
-    const std::vector<int64_t> starts = block_starts(D, O, g, s.t);
-    for (size_t blk = 0; blk + 1 < starts.size(); ++blk) {
-      const int64_t r0 = starts[blk], r1 = starts[blk + 1];
+    const Blocks bl = blocks_of(D, O, g, s.t);
+    for (size_t b = 0; b < bl.count(); ++b) {
+      const int64_t r0 = bl.starts[b], r1 = bl.starts[b + 1];
       sample_block(D, O, g, s.t, s.b, r0, r1);
       for (int64_t i = r0; i < r1; ++i)
         for (int64_t e = s.b.rptr[i - r0]; e < s.b.rptr[i - r0 + 1]; ++e)
@@ -1432,21 +1499,26 @@ static auto option_attrs(B&& b) {
       .template Attr<float>("drop_rate")
       .template Attr<int64_t>("ste")
       .template Attr<int64_t>("probes")
-      .template Attr<int64_t>("threads");
+      .template Attr<int64_t>("threads")
+      .template Attr<int64_t>("cache_slots");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedForward, FusedForward,
                               option_attrs(graph_args(ffi::Ffi::Bind()))
                                   .Ret<ffi::AnyBuffer>()   // out
                                   .Ret<ffi::AnyBuffer>()   // lse
-                                  .Ret<ffi::AnyBuffer>());  // edges
+                                  .Ret<ffi::AnyBuffer>()   // edges
+                                  .Ret<ffi::AnyBuffer>()   // cache columns
+                                  .Ret<ffi::AnyBuffer>());  // cache row counts
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedBackward, FusedBackward,
                               option_attrs(graph_args(ffi::Ffi::Bind())
                                                .Arg<ffi::AnyBuffer>()    // out
                                                .Arg<ffi::AnyBuffer>()    // lse
                                                .Arg<ffi::AnyBuffer>()    // dout
-                                               .Arg<ffi::AnyBuffer>())  // dnum
+                                               .Arg<ffi::AnyBuffer>()    // dnum
+                                               .Arg<ffi::AnyBuffer>()    // cache columns
+                                               .Arg<ffi::AnyBuffer>())  // cache row counts
                                   .Ret<ffi::AnyBuffer>()   // dq
                                   .Ret<ffi::AnyBuffer>()   // dk
                                   .Ret<ffi::AnyBuffer>()   // dv
