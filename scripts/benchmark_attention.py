@@ -931,6 +931,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "defaults, e.g. ste=pairs pair_probes=8 (ints, floats and strings)",
     )
     p.add_argument(
+        "--sbm-variant",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="one more SBM row per layer case, with these fields over --layer-options "
+        "(e.g. edge_cache=256), timed in the same rounds as the others",
+    )
+    p.add_argument(
         "--layer-processes",
         type=int,
         default=0,
@@ -996,8 +1004,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if impl not in impls:
             p.error(f"--impls: {impl!r} is not a core kernel; choose from {', '.join(impls)}")
     args.layer_option_items = list(args.layer_options)  # as typed: passed on to children
+    args.sbm_variant_items = list(args.sbm_variant)
     try:
         args.layer_options = layer_options(args.layer_options)
+        args.sbm_variant = layer_options(args.sbm_variant)
     except ValueError as err:
         p.error(str(err))
     check_paths(p, args, markers=((BEGIN, END), _OLD_MARKERS))
@@ -1025,11 +1035,18 @@ def layer_dtype(name: str) -> Any:
     return jnp.dtype(name)
 
 
+#: The record kind of the ``--sbm-variant`` row (an SBM layer with other fields).
+VARIANT = "sbm_variant"
+#: Record kinds that are SBM layers (sampled density, edges per byte).
+SBM_KINDS = ("sbm", VARIANT)
+
+
 def case_kinds(args: argparse.Namespace, n: int) -> list[str]:
     """The layers of a case at length ``n``, the exact baseline first (every time ratio is
-    the median of the per-round ratios to it): ``full``, ``full_xla``, ``sbm``, and the
-    peers where ``n`` is one of ``--peer-sizes``."""
+    the median of the per-round ratios to it): ``full``, ``full_xla``, ``sbm``, the
+    ``--sbm-variant`` row, and the peers where ``n`` is one of ``--peer-sizes``."""
     kinds = ["full", *([] if args.no_naive else ["full_xla"]), "sbm"]
+    kinds += [VARIANT] if getattr(args, "sbm_variant_items", None) else []
     return kinds + (list(args.peers) if n in args.peer_sizes else [])
 
 
@@ -1288,12 +1305,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The exact baseline first, then the naive full layer, SBM (the module's
             # defaults) and the peers, timed in alternation, shuffled within each round.
             recs, loads = [], []
+            shift = None  # the variant's membership shift is the plain SBM row's
             for kind in case_kinds(args, n):
                 rec = {"section": "layer", "n": n, "density": dd, "kind": kind, "batch": bc}
                 rec.update(heads=h, dtype=jnp.dtype(dtype).name)
                 options = args.layer_options if kind == "sbm" else None
+                if kind == VARIANT:
+                    options = {**args.layer_options, **args.sbm_variant}
+                    rec["variant"] = " ".join(args.sbm_variant_items)
                 try:
-                    fn, a, info = layer_workload(kind, bc, h, d, n, dd, options, dtype=dtype)
+                    workload = "sbm" if kind == VARIANT else kind
+                    fn, a, info = layer_workload(
+                        workload, bc, h, d, n, dd, options, dtype=dtype, shift=shift
+                    )
+                    if kind == "sbm":
+                        shift = info.get("shift")
                 except Exception as err:  # report, never hide: a failed layer is a result
                     rec["skipped"] = f"{type(err).__name__}: {err}"
                     log(rec)
@@ -1374,6 +1400,8 @@ def layer_child_command(
     cmd += ["--max-gib", str(args.max_gib), "--head-map", args.heads_mode, "--json", out]
     if args.layer_option_items:
         cmd += ["--layer-options", *args.layer_option_items]
+    if args.sbm_variant_items:
+        cmd += ["--sbm-variant", *args.sbm_variant_items]
     return cmd
 
 
@@ -1569,6 +1597,8 @@ def layer_label(r: dict[str, Any]) -> str:
         return f"full ({impl}, exact baseline)" if impl else "full (xla, naive)"
     if kind == "full_xla":
         return "full (xla, naive)"
+    if kind == VARIANT:
+        return f"sbm ({r.get('variant', '?')})"
     return str(kind)
 
 
@@ -1642,9 +1672,9 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                         row["time_vs_naive"] = r.get("median_round_ratio", 1.0) / ratio
                 if naive_layer.get("temp_bytes"):
                     row["temp_vs_naive"] = r.get("temp_bytes", 0) / naive_layer["temp_bytes"]
-            if r["kind"] != "sbm":
+            if r["kind"] not in SBM_KINDS:
                 row["density"] = None
-            edges = sampled_edges(r) if r["kind"] == "sbm" else None
+            edges = sampled_edges(r) if r["kind"] in SBM_KINDS else None
             if edges:
                 row["bytes_per_edge"] = r.get("temp_bytes", 0) / edges
         if r["section"] == "core" and r.get("edges"):

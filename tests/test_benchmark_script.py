@@ -189,6 +189,53 @@ def test_layer_options_reach_the_sbm_layer_only_and_the_report(bench, tmp_path, 
     assert "`SBMAttention` with the module's defaults but `ste='pairs'`" in md.read_text()
 
 
+def test_an_sbm_variant_row_runs_beside_sbm_with_its_fields_and_sbm_s_shift(
+    bench, tmp_path, monkeypatch
+):
+    seen = []
+
+    def fake_workload(kind, b, h, d, n, density, options=None, shift=None, dtype=None):
+        seen.append((kind, options, shift))
+        info = {"sbm": {"shift": 1.5}, "full": {"implementation": "chunked"}}.get(kind, {})
+        return (lambda *a: None), (), dict(info)
+
+    def fake_interleaved(loads, **kw):
+        return [
+            {
+                "median_s": 1.0 + i,
+                "times_s": [1.0] * 5,
+                "temp_bytes": 2**20,
+                "sampled_density": 0.05,
+            }
+            for i, _ in enumerate(loads)
+        ]
+
+    monkeypatch.setattr(bench, "layer_workload", fake_workload)
+    monkeypatch.setattr(bench, "measure_interleaved", fake_interleaved)
+    out = tmp_path / "run.json"
+    argv = ["--no-core", "--no-sampler", "--no-targets", "--long", "--lra-step", "--no-naive"]
+    argv += ["--layer-cases", "64:0.05", "--layer-options", "ste=pairs"]
+    argv += ["--sbm-variant", "edge_cache=16", "--json", str(out)]
+    bench.main(argv)
+    assert seen == [
+        ("full", None, None),
+        ("sbm", {"ste": "pairs"}, None),
+        ("sbm", {"ste": "pairs", "edge_cache": 16}, 1.5),
+    ]
+    rows = bench.ratio_rows(json.loads(out.read_text()))
+    assert [r["what"] for r in rows] == [
+        "full (chunked, exact baseline)",
+        "sbm",
+        "sbm (edge_cache=16)",
+    ]
+    assert rows[2]["density"] == 0.05 and rows[2]["time_vs_exact"] == 3.0
+    args = bench.parse_args([*argv[:-2], "--layer-processes", "2"])
+    cmd = bench.layer_child_command(args, 64, 0.05, "x.json")
+    assert cmd[cmd.index("--sbm-variant") + 1] == "edge_cache=16"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sbm-variant", "edge_cache=-1"])  # the layer's own check
+
+
 def test_layer_rows_report_page_faults_and_cpu_time(bench):
     # A real call: the counters come from getrusage around it (Linux here).
     exe = jax.jit(lambda x: jnp.sort(x) * 2.0).lower(jnp.zeros(4096)).compile()
