@@ -101,7 +101,9 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
 #: dense branch is checkpointed with the same policy: its streamed kernel tags its output
 #: and log-normaliser with the same names, and it has no edge keys. The fused kernel's
 #: edge cache (``edge_cache``; one-element placeholders without it) is kept too.
-SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES, EDGE_CACHE_NAME)
+#: checkpoint_name of the fused path's sampling plan (the rows' oversampling and draws).
+FUSED_PLAN_NAME = "sbm_fused_plan"
+SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES, EDGE_CACHE_NAME, FUSED_PLAN_NAME)
 SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
 
@@ -525,6 +527,9 @@ def _fused_core(
     k_count, sample_keys, drop_keys = _graph_keys(rng, dropout_rng, rate, batch, heads)
     with jax.named_scope(SAMPLE):
         oversample, counts, _ = fused_draws(k_count, ys, zk, mask, delta, o.law)
+    # Kept for the backward pass ([B, H, n] each), which would otherwise draw the plan
+    # again from Y S and Z (several passes over [B, H, n, k] arrays and the Poisson draws).
+    oversample, counts = (checkpoint_name(a, FUSED_PLAN_NAME) for a in (oversample, counts))
     bits = jax.vmap(jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32)))
     seeds = bits(sample_keys)
     drop_seeds = bits(drop_keys) if rate > 0.0 else seeds
