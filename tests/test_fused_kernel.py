@@ -279,13 +279,15 @@ def test_the_edge_cache_holds_the_blocks_that_fit_and_changes_no_number(threads)
         fused_graph_masks(seeds, ys, zk, c, counts, qm, km, delta, law="poisson", forced_half=1)
     )
     ops = fused._operands(q, k, v, ys, zk, c, counts, qm, km, delta, seeds, seeds)
-    _, _, _, cols, lens = jax.jit(partial(fused._forward, cfgs[first_block]))(ops)
-    cols, lens = np.asarray(cols), np.asarray(lens)
+    _, _, _, cols, kept = jax.jit(partial(fused._forward, cfgs[first_block]))(ops)
+    cols, kept = np.asarray(cols), np.asarray(kept)  # kept [G, n, 2]: (start, count)
     for gi in range(G):
         rows = mask[gi, :256]
-        np.testing.assert_array_equal(lens[gi, :256], rows.sum(1))
-        np.testing.assert_array_equal(cols[gi, : rows.sum()], np.nonzero(rows)[1])
-        assert np.all(lens[gi, 256:] == -1)  # not kept: drawn again in the backward pass
+        np.testing.assert_array_equal(kept[gi, :256, 1], rows.sum(1))
+        for i in range(256):
+            start, count = kept[gi, i]
+            np.testing.assert_array_equal(cols[gi, start : start + count], np.nonzero(rows[i])[0])
+        assert np.all(kept[gi, 256:, 1] == -1)  # not kept: drawn again in the backward pass
     assert first_block < int(bounds[:, :512].sum(1).min())  # the second block did not fit
     (v0, g0), (v1, g1), (v2, g2) = (run(cfgs[s]) for s in sorted(cfgs))
     assert v0 == v1 == v2
@@ -423,6 +425,18 @@ def test_operand_shapes_are_checked_before_the_kernel_runs():
     seeds = jnp.zeros((2, 2), jnp.uint32)
     with pytest.raises(ValueError, match=r"z has shape \(2, 21, 3\), expected \(2, 19, 3\)"):
         fused_sbm_attention(cfg, seeds, seeds, q, *ops.values())
+
+
+def test_an_edge_cache_past_int32_offsets_is_refused_naming_the_field():
+    q, k, v, g, ys, zk = _inputs(1)
+    c, _ = _plan(ys, zk, 0.0, "poisson")
+    cfg = FusedConfig("poisson", -1, 0.0, "paper", probes=4, threads=1, cache_slots=2**31)
+    with pytest.raises(ValueError, match="edge_cache: 2147483648 edge slots per graph"):
+        seeds = _seeds(jax.random.PRNGKey(0))
+        fused_sbm_attention(
+            cfg, seeds, seeds, *_f32(q, k, v, ys, zk), jnp.asarray(c),
+            jnp.ones((N,), jnp.int32), jnp.asarray(Q_MASK), jnp.asarray(K_MASK), jnp.float32(0.0),
+        )  # fmt: skip
 
 
 def test_the_fused_kernel_is_refused_off_the_cpu_in_one_line():

@@ -299,9 +299,10 @@ EDGE_CACHE_NAME = "sbm_fused_edge_cache"
 
 
 def _forward(cfg: FusedConfig, ops):
-    """``(out, lse, edges, cache_cols, cache_len)``: with ``cfg.cache_slots`` the edges of
-    every row block that fits (``[..., slots]`` int32, each row's count in ``[..., n]``),
-    else one-element placeholders."""
+    """``(out, lse, edges, cache_cols, cache_rows)``: with ``cfg.cache_slots`` the edges
+    of every row block that fits (``[..., slots]`` int32) and each row's ``(start,
+    count)`` in them (``[..., n, 2]``; count -1 for a row not kept), else one-element
+    placeholders."""
     load()
     q, v = ops[0], ops[2]
     lead = q.shape[:-2]
@@ -311,7 +312,7 @@ def _forward(cfg: FusedConfig, ops):
         jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),
         jax.ShapeDtypeStruct(lead, jnp.int32),
         jax.ShapeDtypeStruct((*lead, cfg.cache_slots if on else 1), jnp.int32),
-        jax.ShapeDtypeStruct((*lead, q.shape[-2] if on else 1), jnp.int32),
+        jax.ShapeDtypeStruct((*lead, q.shape[-2], 2) if on else (*lead, 1, 2), jnp.int32),
     )
     call = jax.ffi.ffi_call("sbm_fused_forward", shapes, vmap_method="broadcast_all")
     # Inside jax.shard_map the results vary over the mesh axes the operands vary over
@@ -425,6 +426,11 @@ def fused_sbm_attention(
     """
     args = (q, k, v, ys, z, oversample, counts, q_mask, k_mask, delta, seeds, dropout_seeds)
     _check_shapes(*args)
+    if cfg.cache_slots >= 2**31:  # the cache's offsets are int32
+        raise ValueError(
+            f"edge_cache: {cfg.cache_slots} edge slots per graph (edge_cache times the "
+            f"sequence length {q.shape[-2]}) exceed the 2^31 - 1 the cache can address"
+        )
     out, count = _fused(cfg, *args)
     if cfg.ste == "pairs":
         count = jax.lax.stop_gradient(count)

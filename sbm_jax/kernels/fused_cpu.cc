@@ -621,14 +621,21 @@ static Blocks blocks_of(const Dims& D, const Opts& O, const Graph& g, const Tabl
 }
 
 // One graph's edge cache: the forward pass keeps the edges of every block that fits in
-// `slots` (cols[offs[b] ..], each row's count in len[row]; -1 for the rows of the blocks
-// that do not fit); the backward pass reads them instead of drawing the block again.
-// slots == 0: no cache.
+// `slots` (from cols[offs[b]]; row i's edges at cols[rows[2 i]], rows[2 i + 1] of them,
+// or a count of -1 for the rows of the blocks that do not fit); the backward pass reads
+// a block's rows from there when every one of them was kept, whatever its own blocks,
+// and draws the block again otherwise. slots == 0: no cache.
 struct EdgeCache {
   int32_t* cols = nullptr;
-  int32_t* len = nullptr;
+  int32_t* rows = nullptr;
   int64_t slots = 0;
   bool holds(int64_t off_end) const { return slots > 0 && off_end <= slots; }
+  bool kept(int64_t r0, int64_t r1) const {
+    if (slots <= 0) return false;
+    for (int64_t i = r0; i < r1; ++i)
+      if (rows[2 * i + 1] < 0) return false;
+    return true;
+  }
 };
 
 // The pending draws, sorted by cluster, each resolved to its key (the cluster's tables
@@ -939,9 +946,15 @@ static int64_t forward_block(const Dims& D, const Opts& O, const Graph& g, const
   const int64_t edges = sample_block(D, O, g, t, b, r0, r1);
   if (cache.holds(off1)) {  // edges <= the block's bounds, off1 - off0
     std::copy(b.rcols, b.rcols + edges, cache.cols + off0);
-    for (int64_t lr = 0; lr < rows; ++lr) cache.len[r0 + lr] = b.rptr[lr + 1] - b.rptr[lr];
+    for (int64_t lr = 0; lr < rows; ++lr) {
+      cache.rows[2 * (r0 + lr)] = static_cast<int32_t>(off0 + b.rptr[lr]);
+      cache.rows[2 * (r0 + lr) + 1] = b.rptr[lr + 1] - b.rptr[lr];
+    }
   } else if (cache.slots > 0) {
-    std::fill(cache.len + r0, cache.len + r1, -1);  // drawn again in the backward pass
+    for (int64_t i = r0; i < r1; ++i) {  // drawn again in the backward pass
+      cache.rows[2 * i] = 0;
+      cache.rows[2 * i + 1] = -1;
+    }
   }
   sort_by_key(D, b, rows);
   PhaseTimer timer(kAttendForward);
@@ -1029,13 +1042,15 @@ static void backward_keys(const Dims& D, const Opts& O, const Graph& g, Block& b
 }
 
 static void backward_block(const Dims& D, const Opts& O, const Graph& g, const Tables& t, Block& b,
-                           int64_t r0, int64_t r1, const BwdIo& io, const EdgeCache& cache, int64_t off0,
-                           int64_t off1) {
+                           int64_t r0, int64_t r1, const BwdIo& io, const EdgeCache& cache) {
   const int64_t d = D.d, dv = D.dv, kc = D.kc, m = D.m, rows = r1 - r0;
-  if (cache.holds(off1)) {  // the forward pass kept this block's edges
+  if (cache.kept(r0, r1)) {  // the forward pass kept these rows' edges
     b.rptr[0] = 0;
-    for (int64_t lr = 0; lr < rows; ++lr) b.rptr[lr + 1] = b.rptr[lr] + cache.len[r0 + lr];
-    std::copy(cache.cols + off0, cache.cols + off0 + b.rptr[rows], b.rcols);
+    for (int64_t lr = 0; lr < rows; ++lr) {
+      const int32_t* at = cache.rows + 2 * (r0 + lr);
+      std::copy(cache.cols + at[0], cache.cols + at[0] + at[1], b.rcols + b.rptr[lr]);
+      b.rptr[lr + 1] = b.rptr[lr] + at[1];
+    }
   } else {
     sample_block(D, O, g, t, b, r0, r1);
   }
@@ -1190,7 +1205,7 @@ static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& 
 // Graph gi's part of a call's edge cache ([G, slots] columns, [G, n] row counts).
 static EdgeCache cache_of(const Dims& D, const EdgeCache& all, int64_t gi) {
   if (all.slots <= 0) return EdgeCache{};
-  return EdgeCache{all.cols + gi * all.slots, all.len + gi * D.n, all.slots};
+  return EdgeCache{all.cols + gi * all.slots, all.rows + gi * 2 * D.n, all.slots};
 }
 
 static void forward_all(const Dims& D, const Opts& O, const Inputs& in, float* out, float* lse,
@@ -1247,7 +1262,7 @@ static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const f
     const Blocks bl = blocks_of(D, O, g, s.t);
     const EdgeCache cache = cache_of(D, cache_all, gi);
     for (size_t b = 0; b < bl.count(); ++b)
-      backward_block(D, O, g, s.t, s.b, bl.starts[b], bl.starts[b + 1], io, cache, bl.offs[b], bl.offs[b + 1]);
+      backward_block(D, O, g, s.t, s.b, bl.starts[b], bl.starts[b + 1], io, cache);
   };
   // A shared graph: thread 0 adds into the outputs, the others into their accumulators.
   auto part = [&](int64_t gi, int t, Slot& s, const Tables& tab, const Blocks& bl, int64_t b) {
@@ -1258,7 +1273,7 @@ static void backward_all(const Dims& D, const Opts& O, const Inputs& in, const f
       io.dz = io.dv + m * dvd;
     }
     backward_block(D, O, graph_at(D, in, gi), tab, s.b, bl.starts[b], bl.starts[b + 1], io,
-                   cache_of(D, cache_all, gi), bl.offs[b], bl.offs[b + 1]);
+                   cache_of(D, cache_all, gi));
   };
   auto after = [&](int64_t gi) {
     const BwdIo io = io_for(gi);
@@ -1361,16 +1376,16 @@ static Opts opts_of(int64_t law, int64_t forced_half, float drop_rate, int64_t s
   return O;
 }
 
-// The edge cache's buffers ([G, slots] and [G, n] int32) against the graphs; with
+// The edge cache's buffers ([G, slots] and [G, n, 2] int32) against the graphs; with
 // slots == 0 they are placeholders and unread.
-static ffi::Error cache_from(const Dims& D, int64_t slots, ffi::AnyBuffer cols, ffi::AnyBuffer len,
+static ffi::Error cache_from(const Dims& D, int64_t slots, ffi::AnyBuffer cols, ffi::AnyBuffer rows,
                              EdgeCache* cache) {
   *cache = EdgeCache{};
   if (slots <= 0) return ffi::Error::Success();
-  if (lead_count(cols, 1) != D.G || dim_from_end(cols, 1) != slots || lead_count(len, 1) != D.G ||
-      dim_from_end(len, 1) != D.n)
+  if (lead_count(cols, 1) != D.G || dim_from_end(cols, 1) != slots || lead_count(rows, 2) != D.G ||
+      dim_from_end(rows, 2) != D.n || dim_from_end(rows, 1) != 2)
     return ffi::Error::InvalidArgument("sbm fused: the edge cache does not match the graphs and cache_slots");
-  *cache = EdgeCache{cols.typed_data<int32_t>(), len.typed_data<int32_t>(), slots};
+  *cache = EdgeCache{cols.typed_data<int32_t>(), rows.typed_data<int32_t>(), slots};
   return ffi::Error::Success();
 }
 
@@ -1381,7 +1396,7 @@ static ffi::Error FusedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
                                int64_t forced_half, float drop_rate, int64_t ste, int64_t probes,
                                int64_t threads, int64_t cache_slots, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> edges,
-                               ffi::Result<ffi::AnyBuffer> cache_cols, ffi::Result<ffi::AnyBuffer> cache_len) {
+                               ffi::Result<ffi::AnyBuffer> cache_cols, ffi::Result<ffi::AnyBuffer> cache_rows) {
   Dims D;
   if (auto err = dims_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds, &D); err.failure())
     return err;
@@ -1389,7 +1404,7 @@ static ffi::Error FusedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
   const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
   EdgeCache cache;
-  if (auto err = cache_from(D, cache_slots, *cache_cols, *cache_len, &cache); err.failure()) return err;
+  if (auto err = cache_from(D, cache_slots, *cache_cols, *cache_rows, &cache); err.failure()) return err;
   // The same scratch as the backward call's, so the two share the pool's blocks.
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
@@ -1403,7 +1418,7 @@ static ffi::Error FusedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer qmask, ffi::AnyBuffer kmask, ffi::AnyBuffer delta,
                                 ffi::AnyBuffer seeds, ffi::AnyBuffer dseeds, ffi::AnyBuffer out,
                                 ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dnum,
-                                ffi::AnyBuffer cache_cols, ffi::AnyBuffer cache_len, int64_t law,
+                                ffi::AnyBuffer cache_cols, ffi::AnyBuffer cache_rows, int64_t law,
                                 int64_t forced_half, float drop_rate, int64_t ste, int64_t probes,
                                 int64_t threads, int64_t cache_slots, ffi::Result<ffi::AnyBuffer> dq,
                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
@@ -1419,7 +1434,7 @@ static ffi::Error FusedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   O.threads = static_cast<int>(std::min<int64_t>(O.threads, std::max<int64_t>(1, D.G * D.n)));
   const Inputs in = inputs_of(q, k, v, ys, z, c, counts, qmask, kmask, delta, seeds, dseeds);
   EdgeCache cache;
-  if (auto err = cache_from(D, cache_slots, cache_cols, cache_len, &cache); err.failure()) return err;
+  if (auto err = cache_from(D, cache_slots, cache_cols, cache_rows, &cache); err.failure()) return err;
   Scratch sc(D, O.threads, needs_acc(D, O.threads));
   if (!sc.ok(O.threads)) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "sbm fused: out of memory for scratch");
   backward_all(D, O, in, out.typed_data<float>(), lse.typed_data<float>(), dout.typed_data<float>(),
@@ -1509,7 +1524,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedForward, FusedForward,
                                   .Ret<ffi::AnyBuffer>()   // lse
                                   .Ret<ffi::AnyBuffer>()   // edges
                                   .Ret<ffi::AnyBuffer>()   // cache columns
-                                  .Ret<ffi::AnyBuffer>());  // cache row counts
+                                  .Ret<ffi::AnyBuffer>());  // cache rows (start, count)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedBackward, FusedBackward,
                               option_attrs(graph_args(ffi::Ffi::Bind())
@@ -1518,7 +1533,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SbmFusedBackward, FusedBackward,
                                                .Arg<ffi::AnyBuffer>()    // dout
                                                .Arg<ffi::AnyBuffer>()    // dnum
                                                .Arg<ffi::AnyBuffer>()    // cache columns
-                                               .Arg<ffi::AnyBuffer>())  // cache row counts
+                                               .Arg<ffi::AnyBuffer>())  // cache rows (start, count)
                                   .Ret<ffi::AnyBuffer>()   // dq
                                   .Ret<ffi::AnyBuffer>()   // dk
                                   .Ret<ffi::AnyBuffer>()   // dv
