@@ -414,6 +414,43 @@ def test_layer_with_the_fused_kernel_matches_the_dense_reference_on_its_graphs()
 
 
 # ----------------------------------------------------------------------------- bad input
+def test_the_layer_keeps_the_plan_and_edge_cache_so_its_backward_redraws_neither():
+    """The layer's fwd+bwd program holds one fused forward call and the plan's Poisson
+    draws once (the checkpoint policy keeps the kernel's outputs, the plan and the edge
+    cache), and ``edge_cache`` changes no gradient."""
+    from sbm_jax.attention import get_attention
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 96, 8))
+    mask = jnp.arange(96)[None, :] < jnp.asarray([[96], [70]])
+
+    def build(**opts):
+        mod = get_attention("sbm")(
+            num_heads=2, head_dim=4, out_dim=8, kernel="fused", impl="sparse", **opts
+        )
+        rngs = {"params": jax.random.PRNGKey(1), "sample": jax.random.PRNGKey(2)}
+        params = mod.init(rngs, x, mask, deterministic=False)["params"]
+
+        def loss(p, x):
+            out = mod.apply(
+                {"params": p}, x, mask, deterministic=False, rngs={"sample": jax.random.PRNGKey(3)}
+            )
+            return jnp.sum(out**2)
+
+        return loss, params
+
+    grads = {}
+    for cache in (0, 24):
+        loss, params = build(edge_cache=cache)
+        forward = str(jax.make_jaxpr(loss)(params, x))
+        both = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+        assert both.count("sbm_fused_forward") == forward.count("sbm_fused_forward") == 1
+        assert both.count("sbm_fused_backward") == 1
+        assert both.count("poisson") == forward.count("poisson") > 0
+        grads[cache] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    for a, b in zip(*(jax.tree_util.tree_leaves(g) for g in grads.values()), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_operand_shapes_are_checked_before_the_kernel_runs():
     q = jnp.ones((2, N, 4))
     cfg = FusedConfig("poisson", -1, 0.0, "paper", probes=4, threads=1)
