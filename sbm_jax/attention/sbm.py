@@ -288,12 +288,12 @@ class SBMAttention(nn.Module):
         at least one draw per row of a block. A block whose draws exceed its largest
         buffer runs dense, alone.
       edge_cache: with the fused CPU kernel, edge slots per query row (4 bytes each,
-        ``[B, H, length * edge_cache]`` int32 kept between the passes) in which the
-        forward pass keeps its edges, so that the backward pass draws again only the row
-        blocks that did not fit (a block's room is its rows' draws plus forced pairs); 0
-        (default) keeps nothing edge-sized between the passes. Other kernels ignore it.
-        It trades memory for time: at n=4096, 5% density, ``edge_cache=256`` measured
-        in docs/benchmarks.md.
+        ``[B, H, length * edge_cache]`` int32 kept between the passes, beside each row's
+        start and count) in which the forward pass keeps its edges, so that the backward
+        pass draws again only the row blocks that did not fit (a block's room is its rows'
+        draws plus forced pairs); 0 (default) keeps nothing edge-sized between the passes.
+        Other kernels ignore it. It trades memory for time (the ``sbm (edge_cache=256)``
+        rows of docs/benchmarks.md).
 
     Stats sown into ``attention_stats`` every call: ``density [B, H]`` (differentiable
     through ``ste``), ``edges [B, H]``, ``overflow [B, H]`` bool (True where that graph's

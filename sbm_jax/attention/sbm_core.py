@@ -94,15 +94,17 @@ def _real_pairs(q_mask: jax.Array, k_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.sum(q_mask) * jnp.sum(k_mask), 1).astype(jnp.float32)
 
 
+#: checkpoint_name of the fused path's sampling plan (the rows' oversampling and draws).
+FUSED_PLAN_NAME = "sbm_fused_plan"
+
 #: Names of the values a sparse branch keeps for its backward pass (see
 #: :data:`SPARSE_BRANCH_POLICY`): the sampled edge keys and the edge kernel's output and
 #: softmax statistics. Everything else (edge list, kernel layout, STE) is recomputed
 #: from them in O(C); fastRG and the attention forward run once per training step. The
 #: dense branch is checkpointed with the same policy: its streamed kernel tags its output
-#: and log-normaliser with the same names, and it has no edge keys. The fused kernel's
-#: edge cache (``edge_cache``; one-element placeholders without it) is kept too.
-#: checkpoint_name of the fused path's sampling plan (the rows' oversampling and draws).
-FUSED_PLAN_NAME = "sbm_fused_plan"
+#: and log-normaliser with the same names, and it has no edge keys. The fused path also
+#: keeps its sampling plan (:data:`FUSED_PLAN_NAME`) and its kernel's edge cache
+#: (``edge_cache``; one-element placeholders without it).
 SAVED_NAMES = ("sbm_edge_keys", *EDGE_KERNEL_RESIDUAL_NAMES, EDGE_CACHE_NAME, FUSED_PLAN_NAME)
 SPARSE_BRANCH_POLICY = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 

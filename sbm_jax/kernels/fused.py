@@ -329,17 +329,17 @@ def _fused(cfg, q, k, v, ys, z, c, counts, q_mask, k_mask, delta, seeds, dseeds)
 
 def _fused_fwd(cfg, *args):
     ops = _operands(*args)
-    out, lse, edges, cols, lens = _forward(cfg, ops)
+    out, lse, edges, cols, kept = _forward(cfg, ops)
     # Tagged so that a jax.checkpoint policy keeps them (the edge kernels' names).
     out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
     out, lse = checkpoint_name(out, out_name), checkpoint_name(lse, lse_name)
-    cols, lens = (checkpoint_name(a, EDGE_CACHE_NAME) for a in (cols, lens))
+    cols, kept = (checkpoint_name(a, EDGE_CACHE_NAME) for a in (cols, kept))
     v = args[2]
-    return (out.astype(v.dtype), edges.astype(jnp.float32)), (args, out, lse, cols, lens)
+    return (out.astype(v.dtype), edges.astype(jnp.float32)), (args, out, lse, cols, kept)
 
 
 def _fused_bwd(cfg, res, cts):
-    args, out, lse, cols, lens = res
+    args, out, lse, cols, kept = res
     dout, dcount = cts
     f32 = jnp.float32
     ops = _operands(*args)
@@ -353,7 +353,7 @@ def _fused_bwd(cfg, res, cts):
         vmap_method="broadcast_all",
         input_output_aliases={0: 0, 3: 3},
     )
-    grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), cols, lens, **_attrs(cfg))
+    grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), cols, kept, **_attrs(cfg))
     # Float inputs get their gradient (zero for the oversampling and delta, which the
     # sampling reads under stop_gradient); integer ones none.
     grads = vary_like(grads, *ops, *cts)  # as _forward's results, inside jax.shard_map

@@ -1202,7 +1202,7 @@ static void for_graphs(const Dims& D, const Opts& O, const Inputs& in, Scratch& 
   }
 }
 
-// Graph gi's part of a call's edge cache ([G, slots] columns, [G, n] row counts).
+// Graph gi's part of a call's edge cache ([G, slots] columns, [G, n, 2] rows' (start, count)).
 static EdgeCache cache_of(const Dims& D, const EdgeCache& all, int64_t gi) {
   if (all.slots <= 0) return EdgeCache{};
   return EdgeCache{all.cols + gi * all.slots, all.rows + gi * 2 * D.n, all.slots};
