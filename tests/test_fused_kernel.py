@@ -413,6 +413,53 @@ def test_layer_with_the_fused_kernel_matches_the_dense_reference_on_its_graphs()
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "ste, rate, window, cache",
+    [("paper", 0.0, 2, 0), ("reference", 0.2, 0, 16), ("pairs", 0.0, 1, 0)],
+)
+def test_the_per_batch_choice_gives_the_chosen_paths_numbers(ste, rate, window, cache):
+    """``impl="auto"`` runs the fused kernel or the XLA dense path per batch under one
+    custom VJP (``fused_or_dense_attention``): whichever the cost model picks, the output,
+    the stats and every gradient are those of that path compiled alone (``impl="sparse"``,
+    the kernel; ``impl="dense"``, the dense path), with dropout, the edge cache and each
+    estimator (``"pairs"`` adds the kernel's closed-form count term only when the kernel
+    runs)."""
+    from sbm_jax.attention.sbm import sbm_attention_core
+    from tests.test_sbm_attention import MASK, _core_case
+
+    q, k, v, qm, blk, km, g, wd = _core_case(1)
+    rng, drop = jax.random.PRNGKey(5), jax.random.PRNGKey(6)
+    base = dict(
+        delta=0.05, law="bernoulli", kernel="fused", ste=ste, window=window,
+        edge_cache=cache, dropout_rate=rate, dense_below=0,
+    )  # fmt: skip
+
+    def run(**opts):
+        def loss(*args):
+            out, st = sbm_attention_core(
+                rng, *args, MASK, dropout_rng=drop if rate else None, **base, **opts
+            )
+            return jnp.sum(out * g) + jnp.sum(st["density"] * wd), (st, out)
+
+        grad = jax.value_and_grad(loss, argnums=range(6), has_aux=True)
+        (val, (st, out)), grads = jax.jit(grad)(q, k, v, qm, blk, km)
+        return val, st, out, grads
+
+    for impl_alone, cost, path in (("sparse", 1e-6, 0), ("dense", 1e6, None)):
+        got = run(impl="auto", edge_cost=cost)
+        want = run(impl=impl_alone)
+        if path is not None:
+            assert int(got[1]["path"]) == path
+        else:  # the dense path's recorded index, after the capacity buckets
+            assert int(got[1]["path"]) == int(want[1]["path"]) > 0
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        np.testing.assert_array_equal(got[1]["edges"], want[1]["edges"])
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-6, atol=1e-7)
+        names = ("q", "k", "v", "q_memb", "block", "k_memb")
+        for name, a, b in zip(names, got[3], want[3], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{impl_alone} {name}")
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_the_layer_keeps_the_plan_and_edge_cache_so_its_backward_redraws_neither():
     """The layer's fwd+bwd program holds one fused forward call and the plan's Poisson

@@ -422,6 +422,12 @@ def _graphs_backward(
 
 
 _streamed_graphs.defvjp(_streamed_graphs_fwd, _streamed_graphs_bwd)
+#: The custom VJP's two halves, for a caller that picks between this path and another per
+#: batch under one VJP of its own (``sbm_core``'s fused path): ``graphs_fwd(cfg, *args)``
+#: gives ``((out, count), residuals)``, ``graphs_bwd(cfg, residuals, (dout, dcount))`` the
+#: cotangents of ``args``.
+graphs_fwd = _streamed_graphs_fwd
+graphs_bwd = _streamed_graphs_bwd
 
 
 @scoped(DENSE_PATH)
@@ -481,6 +487,51 @@ def streamed_sbm_attention(
     return out[0], count[0]
 
 
+def graphs_config_and_operands(
+    keys: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ys: jax.Array,
+    zk: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: jax.Array,
+    *,
+    law: str = "bernoulli",
+    ste: str = "paper",
+    forced_half: int | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rngs: jax.Array | None = None,
+    block_rows: int | None = None,
+    row_offsets: jax.Array | None = None,
+) -> tuple[DenseConfig, tuple[jax.Array, ...]]:
+    """The static config and the operands :func:`streamed_sbm_attention_graphs` hands its
+    custom VJP (the arguments as there), for a caller that runs :func:`graphs_fwd` and
+    :func:`graphs_bwd` itself (the fused path's switch, ``sbm_core``)."""
+    check_ste(ste)
+    n, m = q.shape[1], k.shape[1]
+    bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
+    if bq < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    cfg = DenseConfig(
+        block_rows=bq,
+        law=law,
+        ste=ste,
+        forced_half=-1 if forced_half is None else int(forced_half),
+        dropout_rate=float(dropout_rate) if dropout_rngs is not None else 0.0,
+    )
+    drop_keys = keys if dropout_rngs is None else dropout_rngs
+    graphs = q.shape[:1]
+    delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), graphs)
+    offsets = jnp.zeros(graphs, jnp.int32) if row_offsets is None else row_offsets
+    args = (
+        q, k, v, ys, zk, delta, keys, drop_keys, q_mask.astype(bool), k_mask.astype(bool),
+        offsets.astype(jnp.int32),
+    )  # fmt: skip
+    return cfg, args
+
+
 @scoped(DENSE_PATH)
 def streamed_sbm_attention_graphs(
     keys: jax.Array,
@@ -506,25 +557,10 @@ def streamed_sbm_attention_graphs(
     are ``[G]``), and so do ``out [G, n, dv]`` and the edge counts ``[G]``. Graph ``g``
     gets what :func:`streamed_sbm_attention` gives it alone (the same mask, outputs and
     gradients); its backward pass holds no per-graph copy of an input or a gradient."""
-    check_ste(ste)
-    n, m = q.shape[1], k.shape[1]
-    bq = default_block_rows(n, m) if block_rows is None else int(block_rows)
-    if bq < 1:
-        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    cfg = DenseConfig(
-        block_rows=bq,
-        law=law,
-        ste=ste,
-        forced_half=-1 if forced_half is None else int(forced_half),
-        dropout_rate=float(dropout_rate) if dropout_rngs is not None else 0.0,
-    )
-    drop_keys = keys if dropout_rngs is None else dropout_rngs
-    graphs = q.shape[:1]
-    delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), graphs)
-    offsets = jnp.zeros(graphs, jnp.int32) if row_offsets is None else row_offsets
-    args = (
-        q, k, v, ys, zk, delta, keys, drop_keys, q_mask.astype(bool), k_mask.astype(bool),
-        offsets.astype(jnp.int32),
+    cfg, args = graphs_config_and_operands(
+        keys, q, k, v, ys, zk, q_mask, k_mask, delta, law=law, ste=ste,
+        forced_half=forced_half, dropout_rate=dropout_rate, dropout_rngs=dropout_rngs,
+        block_rows=block_rows, row_offsets=row_offsets,
     )  # fmt: skip
     return _streamed_graphs(cfg, *args)
 

@@ -48,6 +48,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from sbm_jax._varying import vary_like
+from sbm_jax.kernels.dense import graphs_bwd, graphs_config_and_operands, graphs_fwd
 from sbm_jax.kernels.rows import EDGE_KERNEL_RESIDUAL_NAMES
 from sbm_jax.ste import STE_MODES
 
@@ -298,6 +299,15 @@ def _operands(*args):
 EDGE_CACHE_NAME = "sbm_fused_edge_cache"
 
 
+def _cache_shapes(cfg: FusedConfig, lead: tuple[int, ...], n: int):
+    """The edge cache's columns and row table (one-element placeholders without one)."""
+    on = cfg.cache_slots > 0
+    return (
+        jax.ShapeDtypeStruct((*lead, cfg.cache_slots if on else 1), jnp.int32),
+        jax.ShapeDtypeStruct((*lead, n, 2) if on else (*lead, 1, 2), jnp.int32),
+    )
+
+
 def _forward(cfg: FusedConfig, ops):
     """``(out, lse, edges, cache_cols, cache_rows)``: with ``cfg.cache_slots`` the edges
     of every row block that fits (``[..., slots]`` int32) and each row's ``(start,
@@ -306,13 +316,11 @@ def _forward(cfg: FusedConfig, ops):
     load()
     q, v = ops[0], ops[2]
     lead = q.shape[:-2]
-    on = cfg.cache_slots > 0
     shapes = (
         jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), jnp.float32),
         jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32),
         jax.ShapeDtypeStruct(lead, jnp.int32),
-        jax.ShapeDtypeStruct((*lead, cfg.cache_slots if on else 1), jnp.int32),
-        jax.ShapeDtypeStruct((*lead, q.shape[-2], 2) if on else (*lead, 1, 2), jnp.int32),
+        *_cache_shapes(cfg, lead, q.shape[-2]),
     )
     call = jax.ffi.ffi_call("sbm_fused_forward", shapes, vmap_method="broadcast_all")
     # Inside jax.shard_map the results vary over the mesh axes the operands vary over
@@ -338,7 +346,7 @@ def _fused_fwd(cfg, *args):
     return (out.astype(v.dtype), edges.astype(jnp.float32)), (args, out, lse, cols, kept)
 
 
-def _fused_bwd(cfg, res, cts):
+def _fused_bwd(cfg, res, cts, *, in_place: bool = True):
     args, out, lse, cols, kept = res
     dout, dcount = cts
     f32 = jnp.float32
@@ -346,12 +354,13 @@ def _fused_bwd(cfg, res, cts):
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, f32) for a in ops[:5])
     # dq and dys are written over q and ys (rows are read before they are written, see
     # backward_block in fused_cpu.cc): two fewer buffers where XLA has no other use for
-    # them (n=16384, impl="sparse": 149 -> 134 MiB of temp); XLA copies them otherwise.
+    # them (n=16384, impl="sparse": 149 -> 134 MiB of temp); XLA copies them otherwise,
+    # as it does inside a lax.switch branch (hence in_place=False there).
     call = jax.ffi.ffi_call(
         "sbm_fused_backward",
         shapes,
         vmap_method="broadcast_all",
-        input_output_aliases={0: 0, 3: 3},
+        input_output_aliases={0: 0, 3: 3} if in_place else None,
     )
     grads = call(*ops, out, lse, dout.astype(f32), dcount.astype(f32), cols, kept, **_attrs(cfg))
     # Float inputs get their gradient (zero for the oversampling and delta, which the
@@ -394,6 +403,15 @@ def _check_shapes(q, k, v, ys, z, oversample, counts, q_mask, k_mask, delta, see
             )
 
 
+def _check_call(cfg: FusedConfig, args: tuple) -> None:
+    _check_shapes(*args)
+    if cfg.cache_slots >= 2**31:  # the cache's offsets are int32
+        raise ValueError(
+            f"edge_cache: {cfg.cache_slots} edge slots per graph (edge_cache times the "
+            f"sequence length {args[0].shape[-2]}) exceed the 2^31 - 1 the cache can address"
+        )
+
+
 def fused_sbm_attention(
     cfg: FusedConfig,
     seeds: jax.Array,
@@ -425,12 +443,7 @@ def fused_sbm_attention(
     (its count term is the caller's closed form); ``edges [...]`` int32.
     """
     args = (q, k, v, ys, z, oversample, counts, q_mask, k_mask, delta, seeds, dropout_seeds)
-    _check_shapes(*args)
-    if cfg.cache_slots >= 2**31:  # the cache's offsets are int32
-        raise ValueError(
-            f"edge_cache: {cfg.cache_slots} edge slots per graph (edge_cache times the "
-            f"sequence length {q.shape[-2]}) exceed the 2^31 - 1 the cache can address"
-        )
+    _check_call(cfg, args)
     out, count = _fused(cfg, *args)
     if cfg.ste == "pairs":
         count = jax.lax.stop_gradient(count)
@@ -459,3 +472,133 @@ def fused_graph_masks(
     call = jax.ffi.ffi_call("sbm_fused_graph", shape, vmap_method="broadcast_all")
     mask = call(*ops, law=np.int64(_LAWS[law]), forced_half=np.int64(forced_half))
     return mask.astype(bool)
+
+
+# The fused kernel or the XLA dense path, chosen per batch, under one custom VJP. A
+# ``lax.switch`` over two differentiable branches (each its own custom VJP) made every
+# branch's residuals outputs of the switch, so the rematerialised forward pass returned
+# fresh copies of q, k, v, Y S and Z through it (XLA cannot forward a conditional's
+# operand), ~14 MiB of the layer's temp at n=4096, B=2, H=2 and ~19 MiB at n=16384. Here
+# the operands are the VJP's own residuals, outside both switches (one per pass), and the
+# switches carry only the branches' outputs, log-normalisers and edge cache.
+def _dense_operands(dcfg_args: tuple, fargs: tuple) -> tuple:
+    """The dense path's operands ``[G, ...]`` from the fused ones (``[..., ...]``; views,
+    no copies) and its keys and row offsets ``(keys, drop_keys, offsets)``."""
+    q, k, v, ys, z, _, _, q_mask, k_mask, delta, _, _ = fargs
+    keys, drop_keys, offsets = dcfg_args
+    lead = q.shape[:-2]
+
+    def flat(a):
+        return a.reshape(-1, *a.shape[len(lead) :])
+
+    qm, km = (flat(a).astype(bool) for a in (q_mask, k_mask))
+    return (*map(flat, (q, k, v, ys, z, delta)), keys, drop_keys, qm, km, offsets)
+
+
+def _row_major(a: jax.Array) -> jax.Array:
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(a, Layout(tuple(range(a.ndim))))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _switched(cfg, dense_cfg, index, fargs, extras):
+    (out, count), _ = _switched_fwd(cfg, dense_cfg, index, fargs, extras)
+    return out, count
+
+
+def _switched_fwd(cfg, dense_cfg, index, fargs, extras):
+    q = fargs[0]
+    lead, n = q.shape[:-2], q.shape[-2]
+
+    def fused(ops):
+        (out, count), (_, out32, lse, cols, kept) = _fused_fwd(cfg, *ops[0])
+        return out, count, out32.astype(jnp.float32), lse, cols, kept
+
+    def dense(ops):
+        (out, count), res = graphs_fwd(dense_cfg, *_dense_operands(ops[1], ops[0]))
+
+        def shaped(a):
+            return a.reshape(*lead, *a.shape[1:])
+
+        out32, lse = shaped(res[-2]).astype(jnp.float32), shaped(res[-1])
+        cols, kept = (jnp.zeros(c.shape, c.dtype) for c in _cache_shapes(cfg, lead, n))
+        return shaped(out), shaped(count), out32, lse, cols, kept
+
+    out, count, out32, lse, cols, kept = jax.lax.switch(index, [fused, dense], (fargs, extras))
+    out_name, lse_name = EDGE_KERNEL_RESIDUAL_NAMES
+    out32, lse = checkpoint_name(out32, out_name), checkpoint_name(lse, lse_name)
+    cols, kept = (checkpoint_name(a, EDGE_CACHE_NAME) for a in (cols, kept))
+    return (out, count), (index, fargs, extras, out32, lse, cols, kept)
+
+
+def _switched_bwd(cfg, dense_cfg, res, cts):
+    index, fargs, extras, out32, lse, cols, kept = res
+    dout, dcount = cts
+    lead = fargs[0].shape[:-2]
+
+    def fused(ops):
+        dc = jnp.zeros_like(dcount) if cfg.ste == "pairs" else dcount  # as fused_sbm_attention
+        res = (fargs, out32, lse, cols, kept)
+        return _fused_bwd(cfg, res, (dout, dc), in_place=False)[:5]
+
+    def dense(ops):
+        def flat(a):
+            return a.reshape(-1, *a.shape[len(lead) :])
+
+        dres = (*_dense_operands(extras, fargs), flat(out32), flat(lse))
+        grads = graphs_bwd(dense_cfg, dres, (flat(dout), flat(dcount)))[:5]
+        return tuple(g.reshape(a.shape) for g, a in zip(grads, fargs[:5], strict=True))
+
+    grads = jax.lax.switch(index, [fused, dense], None)
+    c, delta = fargs[5], fargs[9]
+    fcts = (*grads, jnp.zeros_like(c), None, None, None, jnp.zeros_like(delta), None, None)
+    return None, fcts, (None, None, None)
+
+
+_switched.defvjp(_switched_fwd, _switched_bwd)
+
+
+def fused_or_dense_attention(
+    cfg: FusedConfig,
+    use_dense: jax.Array,
+    seeds: jax.Array,
+    dropout_seeds: jax.Array,
+    keys: jax.Array,
+    dropout_keys: jax.Array | None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ys: jax.Array,
+    z: jax.Array,
+    oversample: jax.Array,
+    counts: jax.Array,
+    q_mask: jax.Array,
+    k_mask: jax.Array,
+    delta: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`fused_sbm_attention`, or where ``use_dense`` (a traced bool) is set the XLA
+    dense path (:func:`sbm_jax.kernels.dense.streamed_sbm_attention_graphs` of every
+    graph, drawn from ``keys`` and ``dropout_keys``, ``[...]`` PRNG keys; ``None``: no
+    dropout), with the same law, estimator, forced edges and dropout rate, in both
+    passes: ``(out, count, edges)`` as there. Under the ``"pairs"`` estimator the fused
+    branch's count carries no cotangent (its count term is the caller's closed form) and
+    the dense branch's carries its own."""
+    args = (q, k, v, ys, z, oversample, counts, q_mask, k_mask, delta, seeds, dropout_seeds)
+    _check_call(cfg, args)
+    lead = q.shape[:-2]
+
+    def flat(a):
+        return a.reshape(-1, *a.shape[len(lead) :])
+
+    dense_cfg, dargs = graphs_config_and_operands(
+        flat(keys), *map(flat, (q, k, v, ys, z, q_mask, k_mask, delta)), law=cfg.law,
+        ste=cfg.ste, forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
+        dropout_rate=cfg.dropout_rate,
+        dropout_rngs=None if dropout_keys is None else flat(dropout_keys),
+    )  # fmt: skip
+    extras = (dargs[6], dargs[7], dargs[10])
+    index = jnp.asarray(use_dense, jnp.int32)
+    pinned = tuple(_row_major(a) for a in args)  # the FFI calls' layout, before the switch
+    out, count = _switched(cfg, dense_cfg, index, pinned, extras)
+    return out, count, jax.lax.stop_gradient(count).astype(jnp.int32)
