@@ -556,15 +556,20 @@ def _fused_core(
             cache_slots=o.edge_cache * length,
         )
 
+    def pairs_count_term(ys, zk):
+        """0, whose cotangent is that of the count on every real pair (``"pairs"``: the
+        kernel's count carries none; the closed form ``sum p`` carries it here)."""
+        pair_sum = jax.vmap(jax.vmap(expected_pair_sum))(ys, zk, masks, masks)
+        return pair_sum - jax.lax.stop_gradient(pair_sum)
+
     def fused_branch(ops):
         q, k, v, ys, zk, oversample, counts = ops
         out, num, edges = fused_sbm_attention(
             fused_config(), seeds, drop_seeds, q, k, v, ys, zk, oversample, counts, masks,
             masks, deltas,
         )  # fmt: skip
-        if o.ste == "pairs":  # the count's cotangent on every real pair (closed form)
-            pair_sum = jax.vmap(jax.vmap(expected_pair_sum))(ys, zk, masks, masks)
-            num = num + pair_sum - jax.lax.stop_gradient(pair_sum)
+        if o.ste == "pairs":
+            num = num + pairs_count_term(ys, zk)
         return out, num / real_pairs, edges
 
     def dense_branch(ops):
@@ -606,10 +611,8 @@ def _fused_core(
             drop_keys if rate > 0.0 else None, q, k, v, ys, zk, oversample, counts, masks,
             masks, deltas,
         )  # fmt: skip
-        if o.ste == "pairs":  # the fused branch's count term (closed form), as above
-            pair_sum = jax.vmap(jax.vmap(expected_pair_sum))(ys, zk, masks, masks)
-            term = pair_sum - jax.lax.stop_gradient(pair_sum)
-            num = num + jnp.where(use_dense, 0.0, term)
+        if o.ste == "pairs":  # the kernel's count term; the dense path's count has its own
+            num = num + jnp.where(use_dense, 0.0, pairs_count_term(ys, zk))
         density = num / real_pairs
         path = jnp.where(use_dense, dense_index, 0).astype(jnp.int32)
     overflow = jnp.zeros((batch, heads), bool)

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from sbm_jax._varying import vary_like
 from sbm_jax.kernels.dense import graphs_bwd, graphs_config_and_operands, graphs_fwd
@@ -481,23 +482,23 @@ def fused_graph_masks(
 # operand), ~14 MiB of the layer's temp at n=4096, B=2, H=2 and ~19 MiB at n=16384. Here
 # the operands are the VJP's own residuals, outside both switches (one per pass), and the
 # switches carry only the branches' outputs, log-normalisers and edge cache.
-def _dense_operands(dcfg_args: tuple, fargs: tuple) -> tuple:
-    """The dense path's operands ``[G, ...]`` from the fused ones (``[..., ...]``; views,
-    no copies) and its keys and row offsets ``(keys, drop_keys, offsets)``."""
+def _graphs(a: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """``a [*lead, ...]`` as ``[G, ...]``, the graphs on one axis (a view, no copy)."""
+    return a.reshape(-1, *a.shape[len(lead) :])
+
+
+def _dense_operands(extras: tuple, fargs: tuple) -> tuple:
+    """The dense path's operands ``[G, ...]`` from the fused ones and its keys and row
+    offsets ``extras = (keys, drop_keys, offsets)``."""
     q, k, v, ys, z, _, _, q_mask, k_mask, delta, _, _ = fargs
-    keys, drop_keys, offsets = dcfg_args
+    keys, drop_keys, offsets = extras
     lead = q.shape[:-2]
-
-    def flat(a):
-        return a.reshape(-1, *a.shape[len(lead) :])
-
-    qm, km = (flat(a).astype(bool) for a in (q_mask, k_mask))
-    return (*map(flat, (q, k, v, ys, z, delta)), keys, drop_keys, qm, km, offsets)
+    qm, km = (_graphs(a, lead).astype(bool) for a in (q_mask, k_mask))
+    floats = (_graphs(a, lead) for a in (q, k, v, ys, z, delta))
+    return (*floats, keys, drop_keys, qm, km, offsets)
 
 
 def _row_major(a: jax.Array) -> jax.Array:
-    from jax.experimental.layout import Layout, with_layout_constraint
-
     return with_layout_constraint(a, Layout(tuple(range(a.ndim))))
 
 
@@ -543,11 +544,8 @@ def _switched_bwd(cfg, dense_cfg, res, cts):
         return _fused_bwd(cfg, res, (dout, dc), in_place=False)[:5]
 
     def dense(ops):
-        def flat(a):
-            return a.reshape(-1, *a.shape[len(lead) :])
-
-        dres = (*_dense_operands(extras, fargs), flat(out32), flat(lse))
-        grads = graphs_bwd(dense_cfg, dres, (flat(dout), flat(dcount)))[:5]
+        dres = (*_dense_operands(extras, fargs), _graphs(out32, lead), _graphs(lse, lead))
+        grads = graphs_bwd(dense_cfg, dres, (_graphs(dout, lead), _graphs(dcount, lead)))[:5]
         return tuple(g.reshape(a.shape) for g, a in zip(grads, fargs[:5], strict=True))
 
     grads = jax.lax.switch(index, [fused, dense], None)
@@ -587,15 +585,12 @@ def fused_or_dense_attention(
     args = (q, k, v, ys, z, oversample, counts, q_mask, k_mask, delta, seeds, dropout_seeds)
     _check_call(cfg, args)
     lead = q.shape[:-2]
-
-    def flat(a):
-        return a.reshape(-1, *a.shape[len(lead) :])
-
     dense_cfg, dargs = graphs_config_and_operands(
-        flat(keys), *map(flat, (q, k, v, ys, z, q_mask, k_mask, delta)), law=cfg.law,
-        ste=cfg.ste, forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
+        *(_graphs(a, lead) for a in (keys, q, k, v, ys, z, q_mask, k_mask, delta)),
+        law=cfg.law, ste=cfg.ste,
+        forced_half=None if cfg.forced_half < 0 else cfg.forced_half,
         dropout_rate=cfg.dropout_rate,
-        dropout_rngs=None if dropout_keys is None else flat(dropout_keys),
+        dropout_rngs=None if dropout_keys is None else _graphs(dropout_keys, lead),
     )  # fmt: skip
     extras = (dargs[6], dargs[7], dargs[10])
     index = jnp.asarray(use_dense, jnp.int32)
