@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._remat import recompute_after_cotangent
 from sbm_jax._scopes import MEMBERSHIPS
 from sbm_jax.attention._projections import (
     HEADS,
@@ -441,8 +442,13 @@ class SBMAttention(nn.Module):
 
         # Recomputed in the backward pass from the projections: the memberships and Y S
         # ([B, H, L, k] each, 4x the projections at k=128) are not kept between the
-        # passes; the core keeps only its named values (sampled keys, out and lse).
-        remat = jax.checkpoint(body, policy=SPARSE_BRANCH_POLICY)
+        # passes; the core keeps only its named values (sampled keys, out and lse). The
+        # recomputation waits for the cotangent on every backend (XLA:CPU drops the
+        # barrier jax.checkpoint relies on: sbm_jax._remat).
+        remat = recompute_after_cotangent(
+            jax.checkpoint(body, policy=SPARSE_BRANCH_POLICY),
+            gate_size=max(a.size for a in (w1, b1, w2, b2, clusters)),
+        )
         out, stats, (query_density, key_density), maps = remat(
             q,
             kk,
