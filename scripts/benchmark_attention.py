@@ -2060,6 +2060,24 @@ def write_markdown(path: Path, body: str) -> None:
     path.write_text(text.rstrip("\n") + "\n\n" + block)
 
 
+def write_section_block(path: Path, begin: str, end: str, section: str, body: str) -> None:
+    """Replace the block between ``begin`` and ``end`` in ``path`` by ``body``, keeping the
+    text around it; without the markers, append the ``section`` heading (when the file
+    lacks it) and the block. Another script's section of docs/benchmarks.md
+    (``benchmark_sparse_patterns.py``, ``stack_memory.py``) is written this way."""
+    block = f"{begin}\n{body}{end}\n"
+    text = path.read_text() if path.exists() else "# Attention benchmarks\n"
+    try:
+        replaced = replace_block(text, begin, end, block)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    if replaced is None:
+        if section not in text:
+            text = text.rstrip("\n") + f"\n\n{section}\n\n"
+        replaced = text.rstrip("\n") + "\n\n" + block
+    path.write_text(replaced)
+
+
 def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
     """``text`` with the span from ``begin`` to ``end`` replaced by ``block`` (which
     holds its own markers) and one blank line before the prose after it; ``None``

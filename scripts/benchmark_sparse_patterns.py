@@ -50,7 +50,7 @@ from benchmark_attention import (  # noqa: E402
     machine,
     machine_text,
     measure_interleaved,
-    replace_block,
+    write_section_block,
 )
 
 from sbm_jax import script_usage  # noqa: E402
@@ -268,18 +268,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def write_markdown(path: Path, body: str) -> None:
     """Replace the generated block of the section at the end of ``path`` (or add both)."""
-    block = f"{BEGIN}\n{body}{END}\n"
-    text = path.read_text() if path.exists() else "# Attention benchmarks\n"
-    try:
-        replaced = replace_block(text, BEGIN, END, block)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    if replaced is not None:
-        path.write_text(replaced)
-        return
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n"
-    path.write_text(text.rstrip("\n") + "\n\n" + block)
+    write_section_block(path, BEGIN, END, SECTION, body)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,7 +18,7 @@ thread, shared by the layers one after another) is not in them.
 
 Usage::
 
-    python scripts/stack_memory.py --n 4096 --batch 2 --layers 4 --markdown docs/benchmarks.md
+    python scripts/stack_memory.py --cases 4096:2 16384:1 --layers 3 --markdown docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -77,64 +77,69 @@ END = "<!-- END GENERATED: scripts/stack_memory.py -->"
 SECTION = "## Memory per layer in a model"
 
 
+def parse_case(text: str) -> tuple[int, int]:
+    """``"n:batch"`` -> ``(n, batch)``, both positive; a ValueError naming ``--cases``."""
+    parts = text.split(":")
+    try:
+        n, batch = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        n = batch = 0
+    if n < 1 or batch < 1:
+        raise ValueError(f"--cases: {text!r} is not n:batch with two positive integers")
+    return n, batch
+
+
 def report(args: argparse.Namespace) -> str:
-    """The table (markdown): for each kind, a 1-layer and an ``args.layers``-layer
-    stack's temp MiB and the increment per added layer."""
+    """The table (markdown): for each case and kind, a 1-layer and an
+    ``args.layers``-layer stack's temp MiB and the increment per added layer."""
     mib = 2.0**20
-    dims = (args.batch, args.n, args.heads, args.head_dim)
     lines = [
-        f"Command: `python scripts/stack_memory.py --n {args.n} --batch {args.batch} "
-        f"--layers {args.layers} --kinds {' '.join(args.kinds)}`",
+        f"Command: `python scripts/stack_memory.py --cases {' '.join(args.cases)} "
+        f"--layers {args.layers} --kinds {' '.join(args.kinds)} --markdown docs/benchmarks.md`",
         "",
-        f"Machine: {bench.machine_text(bench.machine())}. n={args.n}, B={args.batch}, "
-        f"H={args.heads}, d_h={args.head_dim}, float32, fwd+bwd, XLA temp MiB.",
+        f"Machine: {bench.machine_text(bench.machine())}. H={args.heads}, "
+        f"d_h={args.head_dim}, float32, fwd+bwd, XLA temp MiB.",
         "",
-        f"| layer | 1 layer | {args.layers} layers | per added layer |",
-        "|---|---|---|---|",
+        f"| layer | n | B | 1 layer | {args.layers} layers | per added layer |",
+        "|---|---|---|---|---|---|",
     ]
-    for kind in args.kinds:
-        print(f"compiling {kind}: 1 and {args.layers} layers", file=sys.stderr, flush=True)
-        one = stack_temp_bytes(kind, 1, *dims) / mib
-        deep = stack_temp_bytes(kind, args.layers, *dims) / mib
-        name = f"full ({bench.baseline_options()['implementation']})" if kind == "full" else kind
-        lines.append(
-            f"| {name} | {one:.1f} | {deep:.1f} | {(deep - one) / (args.layers - 1):.1f} |"
-        )
+    for n, batch in (parse_case(c) for c in args.cases):
+        for kind in args.kinds:
+            print(f"compiling {kind} at n={n}, B={batch}", file=sys.stderr, flush=True)
+            dims = (batch, n, args.heads, args.head_dim)
+            one = stack_temp_bytes(kind, 1, *dims) / mib
+            deep = stack_temp_bytes(kind, args.layers, *dims) / mib
+            per_layer = (deep - one) / (args.layers - 1)
+            name = (
+                f"full ({bench.baseline_options()['implementation']})" if kind == "full" else kind
+            )
+            lines.append(f"| {name} | {n} | {batch} | {one:.1f} | {deep:.1f} | {per_layer:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def write_markdown(path: Path, body: str) -> None:
     """Replace this script's block in ``path`` (or append the section and the block)."""
-    block = f"{BEGIN}\n{body}{END}\n"
-    text = path.read_text() if path.exists() else "# Attention benchmarks\n"
-    try:
-        replaced = bench.replace_block(text, BEGIN, END, block)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    if replaced is None:
-        if SECTION not in text:
-            text = text.rstrip("\n") + f"\n\n{SECTION}\n\n"
-        replaced = text.rstrip("\n") + "\n\n" + block
-    path.write_text(replaced)
+    bench.write_section_block(path, BEGIN, END, SECTION, body)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--cases", nargs="+", default=["4096:2", "16384:1"], help="n:batch")
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=4, help="the deeper stack (>= 2)")
+    ap.add_argument("--layers", type=int, default=3, help="the deeper stack (>= 2)")
     ap.add_argument("--kinds", nargs="+", default=["sbm", "full", "performer"])
     ap.add_argument("--markdown", type=Path, help="write the table into this file's block")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers must be >= 2, got {args.layers}")
-    for kind in args.kinds:
-        try:
+    try:
+        for case in args.cases:
+            parse_case(case)
+        for kind in args.kinds:
             get_mechanism(kind, field="--kinds")
-        except ValueError as err:
-            ap.error(str(err))
+    except ValueError as err:
+        ap.error(str(err))
     body = report(args)
     print(body)
     if args.markdown is not None:

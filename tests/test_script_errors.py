@@ -362,7 +362,8 @@ def test_unpaired_markers_are_refused_and_the_file_kept(tmp_path, layout):
     # run then replaced everything from the old BEGIN to the new END: the notes between.
     bench = load_script("benchmark_attention")
     sp = load_script("benchmark_sparse_patterns")
-    for module in (bench, sp):
+    stack = load_script("stack_memory")
+    for module in (bench, sp, stack):  # each script's own markers, one shared writer
         b, e = module.BEGIN, module.END
         text = {
             "begin only": f"# B\n\n{b}\nold\n\n## Notes\n\nhand-written\n",
@@ -372,7 +373,7 @@ def test_unpaired_markers_are_refused_and_the_file_kept(tmp_path, layout):
             "end before begin": f"# B\n{e}\nhand-written\n{b}\n",
         }[layout]
         with pytest.raises(ValueError, match="unpaired or repeated"):
-            module.replace_block(text, b, e, f"{b}\nnew\n{e}\n")
+            bench.replace_block(text, b, e, f"{b}\nnew\n{e}\n")
         doc = tmp_path / "doc.md"
         doc.write_text(text)
         with pytest.raises(ValueError, match="doc.md"):
