@@ -89,9 +89,10 @@ def parse_case(text: str) -> tuple[int, int]:
     return n, batch
 
 
-def report(args: argparse.Namespace) -> str:
-    """The table (markdown): for each case and kind, a 1-layer and an
-    ``args.layers``-layer stack's temp MiB and the increment per added layer."""
+def report(args: argparse.Namespace, cases: list[tuple[int, int]]) -> str:
+    """The table (markdown): for each ``(n, batch)`` case (``args.cases`` parsed) and
+    kind, a 1-layer and an ``args.layers``-layer stack's temp MiB and the increment per
+    added layer."""
     mib = 2.0**20
     lines = [
         f"Command: `python scripts/stack_memory.py --cases {' '.join(args.cases)} "
@@ -103,7 +104,7 @@ def report(args: argparse.Namespace) -> str:
         f"| layer | n | B | 1 layer | {args.layers} layers | per added layer |",
         "|---|---|---|---|---|---|",
     ]
-    for n, batch in (parse_case(c) for c in args.cases):
+    for n, batch in cases:
         for kind in args.kinds:
             print(f"compiling {kind} at n={n}, B={batch}", file=sys.stderr, flush=True)
             dims = (batch, n, args.heads, args.head_dim)
@@ -134,13 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers < 2:
         ap.error(f"--layers must be >= 2, got {args.layers}")
     try:
-        for case in args.cases:
-            parse_case(case)
+        cases = [parse_case(case) for case in args.cases]
         for kind in args.kinds:
             get_mechanism(kind, field="--kinds")
     except ValueError as err:
         ap.error(str(err))
-    body = report(args)
+    body = report(args, cases)
     print(body)
     if args.markdown is not None:
         write_markdown(args.markdown, body)
