@@ -363,7 +363,8 @@ def test_unpaired_markers_are_refused_and_the_file_kept(tmp_path, layout):
     bench = load_script("benchmark_attention")
     sp = load_script("benchmark_sparse_patterns")
     stack = load_script("stack_memory")
-    for module in (bench, sp, stack):  # each script's own markers, one shared writer
+    floors = load_script("cost_floors")
+    for module in (bench, sp, stack, floors):  # each script's own markers, one shared writer
         b, e = module.BEGIN, module.END
         text = {
             "begin only": f"# B\n\n{b}\nold\n\n## Notes\n\nhand-written\n",
