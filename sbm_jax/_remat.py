@@ -16,8 +16,14 @@ every recomputed value depends on) through a select on a scalar of the incoming
 cotangent and of the forward output: ``where(isnan(c), nan, w)``. That is ``w`` itself
 unless the cotangent is already NaN (when every gradient is NaN anyway), but XLA can
 neither fold it nor compute it before the cotangent exists, so the recomputation waits
-for the backward pass as ``jax.checkpoint`` intends. Large residuals (the saved
-activations) are passed on untouched: a select over them would copy them.
+for the backward pass as ``jax.checkpoint`` intends. Small integer residuals and PRNG
+keys are gated the same way on their bits (random bits depend on nothing else, so XLA
+could draw them early). Large residuals (the saved activations) are passed on
+untouched: a select over them would copy them.
+
+:func:`call_recomputed_after_cotangent` is the same for a Linen module under
+``nn.remat`` (the encoder's ``remat=True``, whose barrier XLA:CPU drops just the same):
+an ``nn.custom_vjp`` whose forward pass is ``nn.vjp`` of the call.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +42,33 @@ def _first_float(tree: Any) -> jax.Array:
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             return leaf.reshape(-1)[0].astype(jnp.float32)
     raise ValueError("recompute_after_cotangent: the function has no floating-point output")
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _gated(vjp: Any, late: jax.Array, gate_size: int) -> Any:
+    """``vjp`` (a pytree of residuals) with its residuals of at most ``gate_size``
+    elements passed through a select on ``late`` that returns them unchanged unless
+    ``late``: floating ones ``where(late, nan, r)``, integer ones and PRNG keys (random
+    bits, such as dropout's, depend on nothing else, so XLA would draw them in the
+    forward pass and keep them) ``where(late, 0, r)`` on their bits. Booleans pass."""
+
+    def gate(r: Any) -> Any:
+        if not isinstance(r, jax.Array) or r.size > gate_size:
+            return r
+        if jnp.issubdtype(r.dtype, jax.dtypes.prng_key):
+            bits = jax.random.key_data(r)
+            bits = jnp.where(late, jnp.zeros_like(bits), bits)
+            return jax.random.wrap_key_data(bits, impl=jax.random.key_impl(r))
+        if jnp.issubdtype(r.dtype, jnp.floating):
+            return jnp.where(late, jnp.asarray(jnp.nan, r.dtype), r)
+        if jnp.issubdtype(r.dtype, jnp.integer):
+            return jnp.where(late, jnp.zeros_like(r), r)
+        return r
+
+    return jax.tree.map(gate, vjp)
 
 
 def recompute_after_cotangent(fn: Callable[..., Any], *, gate_size: int) -> Callable[..., Any]:
@@ -56,18 +90,32 @@ def recompute_after_cotangent(fn: Callable[..., Any], *, gate_size: int) -> Call
         # After the forward output (probe) and the cotangent (ct): a layer's cotangent may
         # not depend on its own output (a linear loss), and its output alone is ready as
         # soon as the layer's forward pass ends.
-        late = jnp.isnan(_first_float(ct) + probe)
-
-        def gate(r: Any) -> Any:
-            if (
-                isinstance(r, jax.Array)
-                and jnp.issubdtype(r.dtype, jnp.floating)
-                and r.size <= gate_size
-            ):
-                return jnp.where(late, jnp.asarray(jnp.nan, r.dtype), r)
-            return r
-
-        return jax.tree.map(gate, vjp)(ct)
+        return _gated(vjp, jnp.isnan(_first_float(ct) + probe), gate_size)(ct)
 
     wrapped.defvjp(fwd, bwd)
     return wrapped
+
+
+def call_recomputed_after_cotangent(fn: Callable[..., Any], block: nn.Module, *args: Any) -> Any:
+    """``fn(block, *args)``, ``block`` a Linen module under ``nn.remat``, with its
+    recomputation waiting for the cotangent as :func:`recompute_after_cotangent`'s does:
+    a lifted custom VJP (``nn.custom_vjp``) whose forward pass is ``nn.vjp`` of the call
+    and whose backward pass gates the residuals no larger than the block's largest
+    parameter. Arguments that are not floating point (a mask) get no cotangent; static
+    arguments of the call (``deterministic``) are closed over in ``fn``."""
+    gate_size = 0
+
+    def fwd(mdl: nn.Module, *xs: Any) -> tuple[Any, Any]:
+        nonlocal gate_size
+        out, vjp = nn.vjp(fn, mdl, *xs)
+        params = jax.tree.leaves(mdl.variables.get("params", {}))
+        gate_size = max((p.size for p in params), default=0)
+        return out, (vjp, _first_float(out))
+
+    def bwd(res: Any, ct: Any) -> Any:
+        vjp, probe = res
+        params_t, *inputs_t = _gated(vjp, jnp.isnan(_first_float(ct) + probe), gate_size)(ct)
+        kept = (t if _is_float(x) else None for t, x in zip(inputs_t, args, strict=True))
+        return (params_t, *kept)
+
+    return nn.custom_vjp(fn, forward_fn=fwd, backward_fn=bwd)(block, *args)

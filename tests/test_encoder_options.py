@@ -97,6 +97,45 @@ def test_remat_gives_identical_loss_gradients_and_stats(attention, options, num_
         assert "checkpoint" not in jaxpr_plain and "remat" not in jaxpr_plain
 
 
+def _step_temp_bytes(num_layers: int, remat: bool, n: int = 256) -> int:
+    """Compiled temp bytes of a training step's gradient (full attention, no dropout)."""
+    model = Encoder(
+        vocab_size=13,
+        max_len=n,
+        emb_dim=32,
+        num_layers=num_layers,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        attention="full",
+        attention_options={"implementation": "chunked"},
+        remat=remat,
+    )
+    tokens = jnp.ones((2, n), jnp.int32)
+    mask = jnp.ones((2, n), bool)
+    params = _init(model, tokens[:, :8], mask[:, :8])
+
+    def loss(p, tokens, mask):
+        _, _, pooled = model.apply({"params": p}, tokens, mask, deterministic=False)
+        return jnp.sum(pooled**2)
+
+    compiled = jax.jit(jax.grad(loss)).lower(params, tokens, mask).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_cuts_the_memory_each_block_holds_between_the_passes():
+    # What one more block adds to a step's temp bytes: its activations kept for the
+    # backward pass, unless remat recomputes them there. On XLA:CPU plain nn.remat
+    # saved nothing (3.1 MiB per block at n=256 with and without it: XLA expands the
+    # barrier and merges the recomputation with the forward pass); the encoder's remat
+    # waits for the cotangent (sbm_jax/_remat.py): 0.09 MiB per block.
+    per_block = {
+        remat: _step_temp_bytes(2, remat) - _step_temp_bytes(1, remat) for remat in (False, True)
+    }
+    assert per_block[False] > 2**20, per_block  # the case keeps something worth saving
+    assert per_block[True] <= 0.25 * per_block[False], per_block
+
+
 def _std_bound(values: np.ndarray, expected_std: float) -> None:
     """|sample std / expected - 1| within 6 standard errors (SE of a std ~ 1/sqrt(2N))."""
     n = values.size

@@ -13,6 +13,8 @@ with every registered mechanism:
 * ``remat=True``: each block runs under ``nn.remat``, so its activations (attention
   weights included) are recomputed in the backward pass instead of stored. Parameters,
   loss and gradients are unchanged; memory falls, compute rises by about one forward.
+  The recomputation is tied to the cotangent (``call_recomputed_after_cotangent``), so
+  XLA:CPU, which drops ``nn.remat``'s barrier, cannot hoist it into the forward pass.
 * ``scaled_residual_init=True``: the two projections that write into the residual
   stream, the attention's output projection (the submodule named ``out`` that every
   mechanism has) and the MLP's second layer ``fc2``, start scaled by
@@ -44,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sbm_jax._remat import call_recomputed_after_cotangent
 from sbm_jax.attention import build_attention
 
 Array = jax.Array
@@ -345,7 +348,7 @@ class Encoder(nn.Module):
         # static_argnums counts self as 0: (x, mask, deterministic) are 1, 2, 3.
         block_cls = nn.remat(EncoderBlock, static_argnums=(3,)) if self.remat else EncoderBlock
         for layer in range(self.num_layers):
-            x = block_cls(
+            block = block_cls(
                 emb_dim=self.emb_dim,
                 num_heads=self.num_heads,
                 head_dim=self.head_dim,
@@ -358,7 +361,15 @@ class Encoder(nn.Module):
                 residual_init_scale=scale,
                 query_key_init=self.query_key_init,
                 name=f"block_{layer}",
-            )(x, full_mask, deterministic)
+            )
+            if self.remat:
+                # The recomputation waits for the backward pass on every backend
+                # (XLA:CPU drops the barrier nn.remat relies on: sbm_jax._remat).
+                x = call_recomputed_after_cotangent(
+                    lambda mdl, x, mask: mdl(x, mask, deterministic), block, x, full_mask
+                )
+            else:
+                x = block(x, full_mask, deterministic)
         if self.final_norm:
             x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
         if self.pooling == "cls":
