@@ -45,7 +45,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchmark_attention as bench  # noqa: E402
-from stack_memory import parse_case  # noqa: E402
+from stack_memory import add_case_arguments, parse_case  # noqa: E402
 
 from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.attention import full as full_module  # noqa: E402
@@ -209,12 +209,9 @@ def write_markdown(path: Path, body: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", nargs="+", default=["4096:2", "16384:1"], help="n:batch")
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
+    add_case_arguments(ap)
     ap.add_argument("--density", type=float, default=0.01, help="the SBM row's density")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--markdown", type=Path, help="write the table into this file's block")
     args = ap.parse_args(argv)
     if not 0.0 < args.density < 1.0:
         ap.error(f"--density must lie in (0, 1), got {args.density}")

@@ -123,14 +123,20 @@ def write_markdown(path: Path, body: str) -> None:
     bench.write_section_block(path, BEGIN, END, SECTION, body)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_case_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags this script and ``cost_floors.py`` share: ``--cases`` (``n:batch``, parse
+    them with :func:`parse_case`), ``--heads``, ``--head-dim`` and ``--markdown``."""
     ap.add_argument("--cases", nargs="+", default=["4096:2", "16384:1"], help="n:batch")
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--markdown", type=Path, help="write the table into this file's block")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = script_usage.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_case_arguments(ap)
     ap.add_argument("--layers", type=int, default=3, help="the deeper stack (>= 2)")
     ap.add_argument("--kinds", nargs="+", default=["sbm", "full", "performer"])
-    ap.add_argument("--markdown", type=Path, help="write the table into this file's block")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers must be >= 2, got {args.layers}")
