@@ -45,7 +45,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchmark_attention as bench  # noqa: E402
-from stack_memory import add_case_arguments, parse_case  # noqa: E402
+from stack_memory import add_case_arguments, checked_cases  # noqa: E402
 
 from sbm_jax import script_usage  # noqa: E402
 from sbm_jax.attention import full as full_module  # noqa: E402
@@ -217,12 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--density must lie in (0, 1), got {args.density}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.markdown is not None and (why := bench.unwritable(str(args.markdown))):
-        ap.error(f"--markdown: {why}")
-    try:
-        cases = [parse_case(case) for case in args.cases]
-    except ValueError as err:
-        ap.error(str(err))
+    cases = checked_cases(ap, args)
     results = []
     for n, batch in cases:
         print(f"measuring n={n}, B={batch}", file=sys.stderr, flush=True)

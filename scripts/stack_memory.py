@@ -124,12 +124,24 @@ def write_markdown(path: Path, body: str) -> None:
 
 
 def add_case_arguments(ap: argparse.ArgumentParser) -> None:
-    """The flags this script and ``cost_floors.py`` share: ``--cases`` (``n:batch``, parse
-    them with :func:`parse_case`), ``--heads``, ``--head-dim`` and ``--markdown``."""
+    """The flags this script and ``cost_floors.py`` share: ``--cases`` (``n:batch``, read
+    with :func:`checked_cases`), ``--heads``, ``--head-dim`` and ``--markdown``."""
     ap.add_argument("--cases", nargs="+", default=["4096:2", "16384:1"], help="n:batch")
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--markdown", type=Path, help="write the table into this file's block")
+
+
+def checked_cases(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The ``(n, batch)`` of :func:`add_case_arguments`' ``--cases``, after refusing (one
+    line naming the flag, before anything is measured) a bad case or a ``--markdown``
+    file that cannot be written."""
+    if args.markdown is not None and (why := bench.unwritable(str(args.markdown))):
+        ap.error(f"--markdown: {why}")
+    try:
+        return [parse_case(case) for case in args.cases]
+    except ValueError as err:
+        ap.error(str(err))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers must be >= 2, got {args.layers}")
+    cases = checked_cases(ap, args)
     try:
-        cases = [parse_case(case) for case in args.cases]
         for kind in args.kinds:
             get_mechanism(kind, field="--kinds")
     except ValueError as err:

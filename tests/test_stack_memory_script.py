@@ -52,6 +52,7 @@ def test_the_block_is_written_between_its_markers_and_the_text_around_kept(stack
         (["--kinds", "nope"], "--kinds"),
         (["--cases", "4096"], "--cases"),
         (["--cases", "4096:x"], "--cases"),
+        (["--markdown", "/"], "--markdown"),
     ],
 )
 def test_bad_flags_are_one_line_naming_the_flag(stack, capsys, argv, field):
